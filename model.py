@@ -1,0 +1,193 @@
+"""Models and tokenizers: loading any HF causal LM, the built-in tiny base model, and per-token logprobs.
+
+What it does:
+- load_model / load_tokenizer: any HF causal LM by local path or hub name; trust_remote_code stays off unless the
+  caller turns it on.
+- ensure_tiny_base: the demo's and the tests' base model. Made on first use and cached on disk as a real HF
+  checkpoint (Qwen2ForCausalLM, head_dim 64 because vLLM's CPU attention rejects 16, and an HF fast tokenizer
+  saved beside it), so the tiny model and a real one go through the same loading code and the same vLLM engine.
+  "Made" means built from a config and briefly pretrained on a corpus the caller gives (data.py's noisy corpus).
+- token_logprobs: log pi(y_t | y_<t) of the response tokens, chunked over tokens so that float32 logits over the
+  vocabulary exist for at most `chunk_tokens` positions at a time, with or without grad.
+
+What it does not do: sharding (distributed.py), generation (rollout.py), or the loss (grpo.py).
+"""
+
+import json
+import math
+import os
+import shutil
+import string
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+TINY = "tiny"  # the --model value that names the built-in base model
+TINY_VERSION = 2  # bump when the recipe below changes, so stale caches are rebuilt
+DEFAULT_CACHE = Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-minimal"))
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:  # right padding only ever fills positions the loss masks out
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The built-in tiny base model
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer over printable ASCII: one token per character, BOS prepended."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    chars = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def tiny_config(vocab_size: int) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=2,  # head_dim = 64
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+def pretrain(model, tok, texts: list[str], steps: int, lr: float, batch: int, seed: int) -> float:
+    """Next-token training on texts + EOS, loss on the characters after the first '=' (the answer and EOS)."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    eq = tok.convert_tokens_to_ids("=")
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        idx = torch.randint(len(texts), (batch,), generator=g).tolist()
+        enc = tok([texts[i] + tok.eos_token for i in idx], return_tensors="pt", padding=True)
+        ids, am = enc["input_ids"], enc["attention_mask"]
+        after_eq = (ids == eq).long().cumsum(1) > 0
+        labels = ids.masked_fill(~after_eq | (ids == eq) | (am == 0), -100)
+        loss = model(input_ids=ids, attention_mask=am, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    return loss.item()
+
+
+def ensure_tiny_base(
+    corpus_fn, cache_dir: Path = DEFAULT_CACHE, steps: int = 1500, lr: float = 1e-3, batch: int = 256, seed: int = 0
+) -> str:
+    """Path of the built-in base model, building it on first use (about 2.5 minutes on 2 cores).
+
+    corpus_fn() returns the pretraining texts; it is only called when the model has to be built. The checkpoint
+    is written to a temporary folder and renamed into place, so a killed build never leaves a half-written model.
+    """
+    out = Path(cache_dir) / f"tiny-base-v{TINY_VERSION}-s{steps}-seed{seed}"
+    if (out / "config.json").exists():
+        return str(out)
+    t0 = time.time()
+    print(f"building the tiny base model into {out} (once; about 2.5 minutes on 2 cores) ...", flush=True)
+    torch.manual_seed(seed)
+    tok = tiny_tokenizer()
+    model = Qwen2ForCausalLM(tiny_config(len(tok)))
+    final_loss = pretrain(model, tok, corpus_fn(), steps=steps, lr=lr, batch=batch, seed=seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "pretrain.json").write_text(json.dumps({"steps": steps, "lr": lr, "batch": batch, "loss": final_loss}))
+        os.rename(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").exists():  # another process may have won the race
+            raise
+    print(f"tiny base model built in {time.time() - t0:.0f}s (final pretraining loss {final_loss:.3f})", flush=True)
+    return str(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-token logprobs
+
+
+def _logp_entropy_chunk(hidden, lm_head_weight, targets, temperature: float, with_entropy: bool):
+    logits = (hidden @ lm_head_weight.t()).float() / temperature  # [n, V] float32, only n tokens at a time
+    logz = torch.logsumexp(logits, dim=-1)  # [n]
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # [n]
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    p = torch.softmax(logits, dim=-1)
+    entropy = logz - (p * logits).sum(-1)  # H = log Z - E_p[logit]
+    return logp, entropy
+
+
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,  # [B, L] prompt + response, right-padded
+    attention_mask: torch.Tensor,  # [B, L]
+    resp_start: torch.Tensor,  # [B] index of each row's first response token
+    resp_len: int,  # T: width of the output, the longest response in the batch
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs [B, T] of the response tokens (and the policy's entropy at those positions), zero past each row's end.
+
+    Only the hidden states that predict response tokens go through the LM head, in chunks of `chunk_tokens`
+    positions. With grad enabled each chunk is recomputed in backward (activation checkpointing), so the float32
+    logits of the whole batch never exist at once: memory is O(chunk_tokens x vocab), not O(B x T x vocab).
+    Logits are divided by the sampling temperature, so these are the logprobs of the distribution sampled from.
+    """
+    B, L = input_ids.shape
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
+    # position resp_start + t - 1 predicts response token t
+    t = torch.arange(resp_len, device=input_ids.device)  # [T]
+    tgt_pos = resp_start[:, None] + t[None, :]  # [B, T]
+    valid = (tgt_pos < L) & (attention_mask.gather(1, tgt_pos.clamp(max=L - 1)) > 0)  # [B, T]
+    rows, cols = valid.nonzero(as_tuple=True)  # N valid (row, t) pairs
+    pos = tgt_pos[rows, cols]  # [N]
+    h = hidden[rows, pos - 1]  # [N, H]
+    targets = input_ids[rows, pos]  # [N]
+    w = model.get_output_embeddings().weight  # [V, H]
+    logps, ents = [], []
+    for s in range(0, h.shape[0], chunk_tokens):
+        args = (h[s : s + chunk_tokens], w, targets[s : s + chunk_tokens], temperature, with_entropy)
+        if torch.is_grad_enabled():
+            lp, en = checkpoint(_logp_entropy_chunk, *args, use_reentrant=False)
+        else:
+            lp, en = _logp_entropy_chunk(*args)
+        logps.append(lp)
+        ents.append(en)
+    out_lp = hidden.new_zeros(B, resp_len, dtype=torch.float32)
+    out_en = hidden.new_zeros(B, resp_len, dtype=torch.float32)
+    if logps:
+        out_lp = out_lp.index_put((rows, cols), torch.cat(logps))
+        out_en = out_en.index_put((rows, cols), torch.cat(ents))
+    return out_lp, out_en

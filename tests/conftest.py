@@ -1,0 +1,48 @@
+"""Shared, expensive fixtures: the built-in tiny base model and ONE vLLM engine for the whole test session.
+
+A second vLLM engine in the same process would cost ~10 s and another KV cache, so every test that needs vLLM
+takes `vllm_engine`, which is refit with the base model's weights before each use.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+torch.set_num_threads(os.cpu_count() or 1)
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> str:
+    import train
+
+    return train.tiny_base()
+
+
+@pytest.fixture(scope="session")
+def tok(tiny_path):
+    import model
+
+    return model.load_tokenizer(tiny_path)
+
+
+@pytest.fixture(scope="session")
+def _vllm(tiny_path):
+    import rollout
+
+    return rollout.VLLMEngine(tiny_path, max_model_len=64, seed=0, dtype="float32")
+
+
+@pytest.fixture
+def vllm_engine(_vllm, tiny_path):
+    """The session's vLLM engine, holding the base model's weights."""
+    import model
+    import rollout
+
+    _vllm.load_weights(rollout.named_weights(model.load_model(tiny_path)))
+    return _vllm

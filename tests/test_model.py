@@ -1,0 +1,75 @@
+"""model.py: the built-in base model is a real HF checkpoint; chunked logprobs equal a float64 full-vocab reference."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+import model
+
+
+def test_tiny_base_is_a_real_hf_checkpoint(tiny_path):
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    m = AutoModelForCausalLM.from_pretrained(tiny_path)
+    assert isinstance(tok, PreTrainedTokenizerFast)
+    assert m.config.model_type == "qwen2" and m.config.hidden_size // m.config.num_attention_heads == 64
+    ids = tok("3+4+5=")["input_ids"]
+    assert ids[0] == tok.bos_token_id and tok.decode(ids, skip_special_tokens=True) == "3+4+5="
+
+
+def random_batch(tok, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = ["1+2+3=", "9+9+9=", "0+0+1=", "5+5+0="]
+    resp_lens = [3, 1, 0, 5]  # includes an empty response
+    rows = []
+    for p, n in zip(prompts, resp_lens):
+        ids = tok(p)["input_ids"] + torch.randint(4, len(tok), (n,), generator=g).tolist()
+        rows.append((ids, len(ids) - n))
+    L = max(len(r) for r, _ in rows)
+    input_ids = torch.full((len(rows), L), tok.pad_token_id)
+    am = torch.zeros(len(rows), L, dtype=torch.long)
+    for i, (r, _) in enumerate(rows):
+        input_ids[i, : len(r)] = torch.tensor(r)
+        am[i, : len(r)] = 1
+    start = torch.tensor([s for _, s in rows])
+    return input_ids, am, start, max(resp_lens), resp_lens
+
+
+def reference(m, input_ids, am, start, T, resp_lens, temperature):
+    """float64 logprobs and entropy from the full logits of the whole batch, position by position."""
+    m64 = m.double()
+    logits = m64(input_ids=input_ids, attention_mask=am).logits / temperature  # [B, L, V] float64
+    lp = torch.zeros(len(resp_lens), T, dtype=torch.float64)
+    ent = torch.zeros_like(lp)
+    for i, n in enumerate(resp_lens):
+        for t in range(n):
+            pos = int(start[i]) + t
+            logp = torch.log_softmax(logits[i, pos - 1], -1)
+            lp[i, t] = logp[input_ids[i, pos]]
+            ent[i, t] = -(logp.exp() * logp).sum()
+    return lp, ent
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4096])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_match_float64(tiny_path, tok, chunk, temperature):
+    m = model.load_model(tiny_path)
+    input_ids, am, start, T, resp_lens = random_batch(tok)
+    with torch.no_grad():
+        lp, ent = model.token_logprobs(m, input_ids, am, start, T, temperature, chunk, with_entropy=True)
+        want_lp, want_ent = reference(model.load_model(tiny_path), input_ids, am, start, T, resp_lens, temperature)
+    torch.testing.assert_close(lp.double(), want_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), want_ent, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_gradient_matches_float64_reference(tiny_path, tok):
+    """The checkpointed, chunked path backpropagates the same gradient as full-batch logits (float64 model; HF keeps RoPE in float32)."""
+    input_ids, am, start, T, resp_lens = random_batch(tok, seed=1)
+    m = model.load_model(tiny_path).double()
+    lp, _ = model.token_logprobs(m, input_ids, am, start, T, 1.0, chunk_tokens=2)
+    lp.sum().backward()
+    got = torch.cat([p.grad.flatten() for p in m.parameters()])
+    m_ref = model.load_model(tiny_path)
+    want_lp, _ = reference(m_ref, input_ids, am, start, T, resp_lens, 1.0)
+    want_lp.sum().backward()
+    want = torch.cat([p.grad.flatten() for p in m_ref.parameters()])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)  # RoPE tables stay float32 in HF

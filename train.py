@@ -1,0 +1,340 @@
+"""GRPO training: the config and the loop. `python train.py` runs the CPU demo; `--help` lists every flag.
+
+What it does: wires the other files into the data flow of DESIGN.md, one step at a time:
+    prompts -> generate (rollout.py) -> score (reward.py) -> advantages (grpo.py) -> old logprobs (model.py)
+    -> minibatch updates (grpo.py loss, AdamW, grad clip) -> refit (rollout.py) -> log (+ held-out eval)
+Each step writes one JSON line to <out_dir>/metrics.jsonl; the final weights go to <out_dir>/final as an HF
+checkpoint. Under torchrun, each rank generates for its share of the prompts and gradients are summed
+(distributed.py).
+
+What it does not do: anything the files it calls own. The demo task and its data live in data.py.
+"""
+
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+import data
+import distributed as dist
+import grpo
+import model as M
+import reward
+import rollout
+
+
+@dataclass
+class Config:
+    # model and engine
+    model: str = "tiny"  # HF path or hub name; "tiny" builds (once) and uses the built-in demo base model
+    engine: Literal["vllm", "hf"] = "vllm"  # rollout engine: colocated vLLM, or HF generate (no vLLM needed)
+    trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    # the task
+    task: Literal["sum3"] = "sum3"  # sum3: the synthetic demo task of data.py
+    # batch shape
+    steps: int = 80  # GRPO steps (one rollout batch each)
+    prompts_per_step: int = 32  # P: prompts per step, over all ranks
+    group_size: int = 8  # G: samples per prompt
+    minibatch_size: int = 0  # sequences per optimizer step; 0 = the whole step's P*G samples (one update per step)
+    micro_batch_tokens: int = 8192  # token budget of one forward/backward (padded tokens); bounds activation memory
+    max_new_tokens: int = 8  # response length limit
+    max_seq_len: int = 64  # prompt + response; prompts longer than max_seq_len - max_new_tokens are rejected
+    temperature: float = 1.0  # sampling temperature (the trainer's logprobs use the same one)
+    top_p: float = 1.0  # nucleus sampling; keep 1.0 for training (the trainer does not renormalize)
+    # optimizer
+    lr: float = 2e-4  # AdamW learning rate
+    weight_decay: float = 0.01  # AdamW weight decay
+    warmup_steps: int = 0  # linear LR warm-up, in optimizer steps
+    grad_clip: float = 1.0  # max global gradient norm
+    # advantages and loss (grpo.py)
+    leave_one_out: bool = False  # leave-one-out baseline (RLOO) instead of the group mean
+    normalize_std: bool = True  # divide advantages by the group std (off: Dr. GRPO)
+    eps_low: float = 0.2  # ratio clip 1 - eps_low
+    eps_high: float = 0.2  # ratio clip 1 + eps_high (> eps_low: DAPO clip-higher)
+    dual_clip: float = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
+    kl_beta: float = 0.0  # KL penalty to the initial model; > 0 loads a frozen reference copy
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"  # KL estimator
+    token_level: bool = True  # token-level loss aggregation over the global batch (False: per-sequence mean)
+    overlong_filter: bool = False  # mask truncated responses out of the loss (they still count in the baseline)
+    is_correction: Literal["none", "tis", "icepop"] = "none"  # engine/trainer mismatch correction
+    is_cap: float = 2.0  # TIS cap / icepop band [1/cap, cap]
+    # evaluation, logging, system
+    eval_every: int = 10  # held-out evaluation every N steps (and at start and end); 0 = never
+    eval_prompts: int = 200  # held-out prompts evaluated
+    eval_samples: int = 4  # samples per held-out prompt for pass@1 (temperature = --temperature)
+    out_dir: str = ""  # run folder; default runs/<date-time>
+    seed: int = 0  # seeds data order, init of sampling, and torch
+    threads: int = 0  # torch CPU threads; 0 = all cores
+    logprob_chunk_tokens: int = 4096  # positions per LM-head chunk when computing logprobs (memory bound)
+    save_final: bool = True  # write the final weights as an HF checkpoint to <out_dir>/final
+    quiet: bool = False  # no progress bar (the JSON lines are still written)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers for the steps of the loop
+
+
+def tiny_base() -> str:
+    """The built-in base model: pretrained on data.py's corpus where 65% of the answers forget the last digit (built once)."""
+    return M.ensure_tiny_base(lambda: data.noisy_corpus(data.sum3_split()[0], 200_000, noise=0.65))
+
+
+@dataclass
+class Batch:
+    """The step's samples as right-padded tensors for the trainer."""
+
+    input_ids: torch.Tensor  # [N, L] prompt + response
+    attention_mask: torch.Tensor  # [N, L]
+    resp_start: torch.Tensor  # [N] first response position
+    resp_mask: torch.Tensor  # [N, T] 1 on response tokens
+    gen_logp: torch.Tensor  # [N, T] the engine's logprobs of the response tokens
+    advantages: torch.Tensor  # [N]
+    loss_mask: torch.Tensor  # [N, T] resp_mask, minus overlong-filtered responses
+    lengths: list[int]  # prompt + response length of each row
+
+
+def make_batch(prompts: list[list[int]], samples: list[rollout.Sample], advantages: torch.Tensor,
+               overlong_filter: bool, pad_id: int) -> Batch:
+    N = len(samples)
+    seqs = [prompts[s.prompt_idx] + s.token_ids for s in samples]
+    L = max(len(s) for s in seqs)
+    T = max(1, max(len(s.token_ids) for s in samples))
+    ids = torch.full((N, L), pad_id, dtype=torch.long)
+    am = torch.zeros(N, L, dtype=torch.long)
+    resp_mask = torch.zeros(N, T)
+    gen_logp = torch.zeros(N, T)
+    for i, (seq, s) in enumerate(zip(seqs, samples)):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        am[i, : len(seq)] = 1
+        resp_mask[i, : len(s.token_ids)] = 1
+        gen_logp[i, : len(s.token_ids)] = torch.tensor(s.logprobs)
+    start = torch.tensor([len(prompts[s.prompt_idx]) for s in samples])
+    truncated = torch.tensor([s.truncated for s in samples])
+    loss_mask = resp_mask * (~truncated).float()[:, None] if overlong_filter else resp_mask
+    return Batch(ids, am, start, resp_mask, gen_logp, advantages, loss_mask, [len(s) for s in seqs])
+
+
+def micro_batches(lengths: list[int], rows: list[int], token_budget: int) -> list[list[int]]:
+    """Split `rows` into micro-batches whose padded size (rows x longest) stays within the token budget.
+
+    Longest first, so each micro-batch holds sequences of similar length and padding is small; a sequence longer
+    than the budget gets a micro-batch of its own. Every row lands in exactly one micro-batch.
+    """
+    order = sorted(rows, key=lambda r: -lengths[r])
+    out: list[list[int]] = []
+    for r in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= token_budget:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
+
+
+def rows_of(b: Batch, rows: list[int]) -> dict:
+    """The tensors of a subset of rows, trimmed to their own longest sequence and response."""
+    idx = torch.tensor(rows)
+    L = max(b.lengths[r] for r in rows)
+    T = int(b.resp_mask[idx].sum(1).max().clamp(min=1))
+    return dict(input_ids=b.input_ids[idx, :L], attention_mask=b.attention_mask[idx, :L],
+                resp_start=b.resp_start[idx], T=T, resp_mask=b.resp_mask[idx, :T], gen_logp=b.gen_logp[idx, :T],
+                advantages=b.advantages[idx], loss_mask=b.loss_mask[idx, :T])
+
+
+def score(task: str, tok, samples: list[rollout.Sample], problems: list[data.Problem]) -> list[float]:
+    fn = reward.exact_reward if task == "sum3" else reward.math_reward
+    return [fn(tok.decode(s.token_ids, skip_special_tokens=True), problems[s.prompt_idx].answer) for s in samples]
+
+
+def evaluate(engine, tok, cfg: Config, problems: list[data.Problem], prompts: list[list[int]], seed: int) -> dict:
+    """Held-out pass@1 (mean correctness over eval_samples samples per prompt) and greedy accuracy."""
+    sampled = engine.generate(prompts, n=cfg.eval_samples, max_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature, seed=seed)
+    greedy = engine.generate(prompts, n=1, max_tokens=cfg.max_new_tokens, temperature=0.0, seed=seed)
+    s = score(cfg.task, tok, sampled, problems)
+    g = score(cfg.task, tok, greedy, problems)
+    return {"heldout_pass1": sum(s) / len(s), "heldout_greedy": sum(g) / len(g)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loop
+
+
+def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
+    """Run GRPO; `engine` lets a caller (the tests) bring an engine that already holds the base model's weights."""
+    rank, world = dist.init()
+    threads = cfg.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+    out = Path(cfg.out_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    if dist.is_main():
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+
+    train_set, heldout = data.sum3_split()
+    path = tiny_base() if cfg.model == M.TINY else cfg.model
+    tok = M.load_tokenizer(path, cfg.trust_remote_code)
+    encode = lambda ps: [tok(p.prompt)["input_ids"] for p in ps]
+    train_prompts, heldout = encode(train_set), heldout[: cfg.eval_prompts]
+    heldout_prompts = encode(heldout)
+    policy = M.load_model(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code).to(device)
+    ref = M.load_model(path, dtype=dtype).to(device).eval().requires_grad_(False) if cfg.kl_beta > 0 else None
+    if engine is not None:
+        pass
+    elif cfg.engine == "vllm":
+        engine = rollout.VLLMEngine(path, max_model_len=cfg.max_seq_len, seed=cfg.seed + rank,
+                                    dtype=str(dtype).removeprefix("torch."), trust_remote_code=cfg.trust_remote_code)
+    else:
+        engine = rollout.HFEngine(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
+    loss_cfg = grpo.LossConfig(cfg.eps_low, cfg.eps_high, cfg.dual_clip, cfg.kl_beta, cfg.kl_kind,
+                               cfg.token_level, cfg.is_correction, cfg.is_cap)
+    per_rank = cfg.prompts_per_step // world
+    order_rng = random.Random(cfg.seed)
+    order: list[int] = []
+
+    def logprobs(m, mb, grad: bool):
+        with torch.set_grad_enabled(grad):
+            return M.token_logprobs(m, mb["input_ids"].to(device), mb["attention_mask"].to(device),
+                                    mb["resp_start"].to(device), mb["T"], cfg.temperature,
+                                    cfg.logprob_chunk_tokens, with_entropy=grad)
+
+    from tqdm import tqdm
+
+    bar = tqdm(range(1, cfg.steps + 1), disable=cfg.quiet or not dist.is_main(), desc="GRPO", dynamic_ncols=True)
+    last_eval = evaluate(engine, tok, cfg, heldout, heldout_prompts, seed=cfg.seed) if cfg.eval_every else {}
+    history = [dict(step=0, **last_eval)]
+    t_start = time.time()
+    if dist.is_main():
+        with open(out / "metrics.jsonl", "w") as f:
+            f.write(json.dumps(history[0]) + "\n")
+        dist.print0(f"step 0: {json.dumps(last_eval)}", file=sys.stderr) if cfg.quiet else None
+
+    for step in bar:
+        t0 = time.time()
+        # 1. this step's prompts; each rank takes its share, a prompt's G samples stay on one rank
+        while len(order) < cfg.prompts_per_step:
+            epoch = list(range(len(train_set)))
+            order_rng.shuffle(epoch)
+            order += epoch
+        ids, order = order[: cfg.prompts_per_step][rank * per_rank : (rank + 1) * per_rank], order[cfg.prompts_per_step :]
+        problems, prompts = [train_set[i] for i in ids], [train_prompts[i] for i in ids]
+        # 2. generate G responses per prompt
+        samples = engine.generate(prompts, n=cfg.group_size, max_tokens=cfg.max_new_tokens,
+                                  temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed * 100_003 + step * 101 + rank)
+        t1 = time.time()
+        # 3. score
+        rewards = torch.tensor(score(cfg.task, tok, samples, problems)).view(per_rank, cfg.group_size)  # [P, G]
+        t2 = time.time()
+        # 4. advantages
+        adv = grpo.group_advantages(rewards, cfg.leave_one_out, cfg.normalize_std)  # [P, G]
+        b = make_batch(prompts, samples, adv.flatten(), cfg.overlong_filter, tok.pad_token_id)
+        # 5. old (and reference) logprobs, once per rollout. With one update per step the policy has not moved
+        #    yet, so old_logp is the detached logp of the training forward itself and needs no pass of its own.
+        N = len(samples)
+        mb_size = cfg.minibatch_size // world if cfg.minibatch_size else N
+        minibatches = [list(range(s, min(N, s + mb_size))) for s in range(0, N, mb_size)]
+        old_logp = torch.zeros_like(b.gen_logp)
+        ref_logp = torch.zeros_like(b.gen_logp)
+        if len(minibatches) > 1 or ref is not None:
+            for rows in micro_batches(b.lengths, list(range(N)), cfg.micro_batch_tokens):
+                mb = rows_of(b, rows)
+                if len(minibatches) > 1:
+                    old_logp[rows, : mb["T"]] = logprobs(policy, mb, grad=False)[0].cpu()
+                if ref is not None:
+                    ref_logp[rows, : mb["T"]] = logprobs(ref, mb, grad=False)[0].cpu()
+        # 6. minibatch updates: loss -> backward -> clip -> AdamW step; micro-batches sized by tokens
+        policy.train()
+        sums: dict[str, float] = {}
+        for rows in minibatches:
+            n_tok = torch.tensor([b.loss_mask[rows].sum().item(), float((b.loss_mask[rows].sum(1) > 0).sum())])
+            dist.all_reduce_sum(n_tok)
+            norm = n_tok[0] if cfg.token_level else n_tok[1]
+            for mrows in micro_batches(b.lengths, rows, cfg.micro_batch_tokens):
+                mb = rows_of(b, mrows)
+                logp, entropy = logprobs(policy, mb, grad=True)
+                old = logp.detach().cpu() if len(minibatches) == 1 else old_logp[mrows, : mb["T"]]
+                if len(minibatches) == 1:
+                    old_logp[mrows, : mb["T"]] = old
+                loss, metrics = grpo.policy_loss(
+                    logp, old.to(device), mb["advantages"].to(device), mb["loss_mask"].to(device), loss_cfg,
+                    num_tokens=max(float(norm), 1.0), ref_logp=ref_logp[mrows, : mb["T"]].to(device) if ref else None,
+                    gen_logp=mb["gen_logp"].to(device))
+                loss.backward()
+                metrics["loss"] = loss.detach()
+                metrics["entropy"] = (entropy.detach() * mb["resp_mask"].to(device)).sum()
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+            dist.all_reduce_grads(policy)
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        policy.eval()
+        t3 = time.time()
+        # 7. refit: the engine samples the next step from the new weights
+        engine.load_weights(rollout.named_weights(policy))
+        t4 = time.time()
+        # 8. metrics (reduced over ranks) and held-out evaluation
+        mm = grpo.mismatch_metrics(b.gen_logp, old_logp, b.resp_mask)
+        resp_tokens = b.resp_mask.sum()
+        red = torch.tensor([rewards.sum(), rewards.numel(), resp_tokens, mm["token_mult_prob_error"],
+                            mm["gen_kl_error"], sum(s.truncated for s in samples), (rewards.std(1) == 0).sum(),
+                            sums.get("tokens", 0.0), sums.get("clip_low", 0.0), sums.get("clip_high", 0.0),
+                            sums.get("kl", 0.0), sums.get("entropy", 0.0), sums.get("loss", 0.0), adv.abs().sum()],
+                           dtype=torch.float64)
+        dist.all_reduce_sum(red)
+        n_seq, n_tok, n_loss_tok = red[1], max(float(red[2]), 1.0), max(float(red[7]), 1.0)
+        row = dict(
+            step=step, reward_mean=float(red[0] / n_seq), response_len_mean=float(red[2] / n_seq),
+            loss=float(red[12]), grad_norm=float(grad_norm), clip_frac_low=float(red[8] / n_loss_tok),
+            clip_frac_high=float(red[9] / n_loss_tok), kl=float(red[10] / n_loss_tok),
+            entropy=float(red[11] / n_tok), token_mult_prob_error=float(red[3] / n_tok),
+            gen_kl_error=float(red[4] / n_tok), truncated_frac=float(red[5] / n_seq),
+            zero_var_group_frac=float(red[6] / (n_seq / cfg.group_size)), adv_abs_mean=float(red[13] / n_seq),
+            lr=sched.get_last_lr()[0], time_generate=t1 - t0, time_score=t2 - t1, time_train=t3 - t2,
+            time_refit=t4 - t3,
+        )
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            last_eval = evaluate(engine, tok, cfg, heldout, heldout_prompts, seed=cfg.seed + step)
+            row.update(last_eval)
+        row["time_step"] = time.time() - t0
+        row["tokens_per_s"] = float(red[2]) / row["time_step"]
+        row["elapsed"] = time.time() - t_start
+        history.append(row)
+        if dist.is_main():
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", heldout=f"{last_eval.get('heldout_pass1', 0):.2f}",
+                            mpe=f"{row['token_mult_prob_error']:.3f}")
+    bar.close()
+
+    if cfg.save_final and dist.is_main():
+        final, tmp = out / "final", out / ".final.tmp"  # written aside, then renamed: never half-written
+        shutil.rmtree(tmp, ignore_errors=True)
+        policy.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    summary = dict(out_dir=str(out), minutes=(time.time() - t_start) / 60,
+                   first=history[0], last={k: v for k, v in history[-1].items() if k.startswith("heldout")})
+    dist.print0(json.dumps(summary))
+    dist.close()
+    return dict(history=history, out_dir=str(out))
+
+
+if __name__ == "__main__":
+    import tyro
+
+    train(tyro.cli(Config))
