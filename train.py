@@ -40,7 +40,7 @@ class Config:
     # the task
     task: Literal["sum3"] = "sum3"  # sum3: the synthetic demo task of data.py
     # batch shape
-    steps: int = 80  # GRPO steps (one rollout batch each)
+    steps: int = 200  # GRPO steps (one rollout batch each)
     prompts_per_step: int = 32  # P: prompts per step, over all ranks
     group_size: int = 8  # G: samples per prompt
     minibatch_size: int = 0  # sequences per optimizer step; 0 = the whole step's P*G samples (one update per step)
@@ -67,7 +67,7 @@ class Config:
     is_correction: Literal["none", "tis", "icepop"] = "none"  # engine/trainer mismatch correction
     is_cap: float = 2.0  # TIS cap / icepop band [1/cap, cap]
     # evaluation, logging, system
-    eval_every: int = 10  # held-out evaluation every N steps (and at start and end); 0 = never
+    eval_every: int = 25  # held-out evaluation every N steps (and at start and end); 0 = never
     eval_prompts: int = 200  # held-out prompts evaluated
     eval_samples: int = 4  # samples per held-out prompt for pass@1 (temperature = --temperature)
     out_dir: str = ""  # run folder; default runs/<date-time>
