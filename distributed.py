@@ -57,8 +57,9 @@ def all_reduce_grads(model: torch.nn.Module) -> None:
     if not dist.is_initialized():
         return
     for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        if p.grad is None:  # a rank with nothing to train this minibatch still joins every reduction
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
 
 def close() -> None:

@@ -11,6 +11,7 @@ What it does not do: decide what to generate (train.py), score responses (reward
 (distributed.py streams them; this file only consumes the stream).
 """
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Protocol
@@ -53,6 +54,7 @@ class VLLMEngine:
         kv_cache_gib: int = 1, external_launcher: bool = False,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-refit INFO lines would drown the progress bar
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -77,6 +79,9 @@ class VLLMEngine:
             self.llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_threads
+        # Every refit of a tied model logs "ParallelLMHead: Failed to load weights" (the case _retie_lm_head
+        # repairs) and "RotaryEmbedding: ..." (no weights to load); the logprob tests guard the real outcome.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         set_threads(threads)
         if torch.get_num_threads() != threads:
             raise RuntimeError(f"vLLM start-up changed torch threads {threads} -> {torch.get_num_threads()}")

@@ -14,9 +14,8 @@ import json
 import os
 import random
 import shutil
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -66,6 +65,8 @@ class Config:
     overlong_filter: bool = False  # mask truncated responses out of the loss (they still count in the baseline)
     is_correction: Literal["none", "tis", "icepop"] = "none"  # engine/trainer mismatch correction
     is_cap: float = 2.0  # TIS cap / icepop band [1/cap, cap]
+    dynamic_sampling: bool = False  # DAPO: drop groups with all-equal rewards, draw more prompts to refill the batch
+    dynamic_sampling_max_tries: int = 4  # generation rounds per step before training on what was kept
     # evaluation, logging, system
     eval_every: int = 25  # held-out evaluation every N steps (and at start and end); 0 = never
     eval_prompts: int = 200  # held-out prompts evaluated
@@ -99,6 +100,21 @@ class Batch:
     advantages: torch.Tensor  # [N]
     loss_mask: torch.Tensor  # [N, T] resp_mask, minus overlong-filtered responses
     lengths: list[int]  # prompt + response length of each row
+
+
+class PromptStream:
+    """Endless shuffled epochs over the training prompts; every rank holds the same order (same seed)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.rng, self.buf = n, random.Random(seed), []
+
+    def take(self, k: int) -> list[int]:
+        while len(self.buf) < k:
+            epoch = list(range(self.n))
+            self.rng.shuffle(epoch)
+            self.buf += epoch
+        out, self.buf = self.buf[:k], self.buf[k:]
+        return out
 
 
 def make_batch(prompts: list[list[int]], samples: list[rollout.Sample], advantages: torch.Tensor,
@@ -167,9 +183,34 @@ def evaluate(engine, tok, cfg: Config, problems: list[data.Problem], prompts: li
 # The loop
 
 
+def validate(cfg: Config, world: int) -> None:
+    """One clear line for a bad flag, before any model or engine is loaded."""
+    checks = [
+        (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO needs at least 2 samples per prompt"),
+        (cfg.prompts_per_step >= world and cfg.prompts_per_step % world == 0,
+         f"--prompts-per-step {cfg.prompts_per_step}: must be a positive multiple of the {world} ranks"),
+        (cfg.minibatch_size == 0 or (cfg.minibatch_size > 0 and cfg.minibatch_size % world == 0
+                                     and (cfg.prompts_per_step * cfg.group_size) % cfg.minibatch_size == 0),
+         f"--minibatch-size {cfg.minibatch_size}: must divide prompts_per_step * group_size = "
+         f"{cfg.prompts_per_step * cfg.group_size} and split over {world} ranks"),
+        (0 < cfg.max_new_tokens < cfg.max_seq_len,
+         f"--max-new-tokens {cfg.max_new_tokens}: must be positive and below --max-seq-len {cfg.max_seq_len}"),
+        (cfg.lr > 0, f"--lr {cfg.lr}: must be positive"),
+        (cfg.steps >= 1, f"--steps {cfg.steps}: must be at least 1"),
+        (cfg.temperature > 0, f"--temperature {cfg.temperature}: must be positive for GRPO sampling"),
+        (cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual-clip {cfg.dual_clip}: must be 0 (off) or > 1"),
+        (cfg.model == M.TINY or os.path.isdir(cfg.model) or cfg.model.count("/") == 1,
+         f"--model {cfg.model}: no such folder, and not a hub name like org/name"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise SystemExit(f"error: {msg}")
+
+
 def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     """Run GRPO; `engine` lets a caller (the tests) bring an engine that already holds the base model's weights."""
     rank, world = dist.init()
+    validate(cfg, world)
     threads = cfg.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
@@ -187,6 +228,10 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     encode = lambda ps: [tok(p.prompt)["input_ids"] for p in ps]
     train_prompts, heldout = encode(train_set), heldout[: cfg.eval_prompts]
     heldout_prompts = encode(heldout)
+    longest = max(len(p) for p in train_prompts + heldout_prompts)
+    if longest > cfg.max_seq_len - cfg.max_new_tokens:
+        raise SystemExit(f"error: a prompt has {longest} tokens, more than --max-seq-len {cfg.max_seq_len} minus "
+                         f"--max-new-tokens {cfg.max_new_tokens} leaves")
     policy = M.load_model(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code).to(device)
     ref = M.load_model(path, dtype=dtype).to(device).eval().requires_grad_(False) if cfg.kl_beta > 0 else None
     if engine is not None:
@@ -200,9 +245,8 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     loss_cfg = grpo.LossConfig(cfg.eps_low, cfg.eps_high, cfg.dual_clip, cfg.kl_beta, cfg.kl_kind,
                                cfg.token_level, cfg.is_correction, cfg.is_cap)
-    per_rank = cfg.prompts_per_step // world
-    order_rng = random.Random(cfg.seed)
-    order: list[int] = []
+    per_rank, G = cfg.prompts_per_step // world, cfg.group_size
+    stream = PromptStream(len(train_set), cfg.seed)
 
     def logprobs(m, mb, grad: bool):
         with torch.set_grad_enabled(grad):
@@ -219,32 +263,49 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     if dist.is_main():
         with open(out / "metrics.jsonl", "w") as f:
             f.write(json.dumps(history[0]) + "\n")
-        dist.print0(f"step 0: {json.dumps(last_eval)}", file=sys.stderr) if cfg.quiet else None
 
     for step in bar:
         t0 = time.time()
-        # 1. this step's prompts; each rank takes its share, a prompt's G samples stay on one rank
-        while len(order) < cfg.prompts_per_step:
-            epoch = list(range(len(train_set)))
-            order_rng.shuffle(epoch)
-            order += epoch
-        ids, order = order[: cfg.prompts_per_step][rank * per_rank : (rank + 1) * per_rank], order[cfg.prompts_per_step :]
-        problems, prompts = [train_set[i] for i in ids], [train_prompts[i] for i in ids]
-        # 2. generate G responses per prompt
-        samples = engine.generate(prompts, n=cfg.group_size, max_tokens=cfg.max_new_tokens,
-                                  temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed * 100_003 + step * 101 + rank)
-        t1 = time.time()
-        # 3. score
-        rewards = torch.tensor(score(cfg.task, tok, samples, problems)).view(per_rank, cfg.group_size)  # [P, G]
-        t2 = time.time()
+        # 1-3. prompts -> generate G responses each -> score. Each rank takes its share of the step's prompts and
+        #      a prompt's G samples stay on one rank. With dynamic sampling (DAPO), groups whose rewards are all
+        #      equal (no signal) are dropped and more prompts are drawn until every rank has its share of
+        #      informative groups or the tries run out; all ranks make the same number of tries.
+        kept = []  # (prompt index, its G samples, its [G] rewards)
+        t_gen = t_score = 0.0
+        n_groups = n_zero = tries = 0
+        while True:
+            ids = stream.take(cfg.prompts_per_step)[rank * per_rank : (rank + 1) * per_rank]
+            t = time.time()
+            new = engine.generate([train_prompts[i] for i in ids], n=G, max_tokens=cfg.max_new_tokens,
+                                  temperature=cfg.temperature, top_p=cfg.top_p,
+                                  seed=cfg.seed * 100_003 + step * 1009 + tries * 101 + rank)
+            t_gen += time.time() - t
+            t = time.time()
+            r = torch.tensor(score(cfg.task, tok, new, [train_set[i] for i in ids])).view(len(ids), G)  # [P, G]
+            t_score += time.time() - t
+            tries, n_groups, n_zero = tries + 1, n_groups + len(ids), n_zero + int((r.std(1) == 0).sum())
+            for g, i in enumerate(ids):
+                if len(kept) < per_rank and (not cfg.dynamic_sampling or r[g].std() > 0):
+                    kept.append((i, new[g * G : (g + 1) * G], r[g]))
+            if not cfg.dynamic_sampling or tries >= cfg.dynamic_sampling_max_tries:
+                break
+            if dist.all_reduce_sum(torch.tensor([float(len(kept) < per_rank)])).item() == 0:
+                break
+        if not kept:  # nothing informative: one zero-advantage group keeps every rank's batch non-empty
+            kept = [(ids[0], new[:G], r[0])]
+        problems, prompts = [train_set[i] for i, _, _ in kept], [train_prompts[i] for i, _, _ in kept]
+        samples = [replace(s, prompt_idx=k) for k, (_, group, _) in enumerate(kept) for s in group]
+        rewards = torch.stack([r for _, _, r in kept])  # [P, G]; P < per_rank when dynamic sampling ran short
+        t1 = t0 + t_gen
+        t2 = t1 + t_score
         # 4. advantages
         adv = grpo.group_advantages(rewards, cfg.leave_one_out, cfg.normalize_std)  # [P, G]
         b = make_batch(prompts, samples, adv.flatten(), cfg.overlong_filter, tok.pad_token_id)
         # 5. old (and reference) logprobs, once per rollout. With one update per step the policy has not moved
         #    yet, so old_logp is the detached logp of the training forward itself and needs no pass of its own.
-        N = len(samples)
-        mb_size = cfg.minibatch_size // world if cfg.minibatch_size else N
-        minibatches = [list(range(s, min(N, s + mb_size))) for s in range(0, N, mb_size)]
+        N = len(samples)  # every rank makes the same number of optimizer steps, even when its N differs
+        n_minibatches = cfg.prompts_per_step * G // cfg.minibatch_size if cfg.minibatch_size else 1
+        minibatches = [c.tolist() for c in torch.arange(N).tensor_split(n_minibatches)]
         old_logp = torch.zeros_like(b.gen_logp)
         ref_logp = torch.zeros_like(b.gen_logp)
         if len(minibatches) > 1 or ref is not None:
@@ -288,21 +349,22 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         t4 = time.time()
         # 8. metrics (reduced over ranks) and held-out evaluation
         mm = grpo.mismatch_metrics(b.gen_logp, old_logp, b.resp_mask)
-        resp_tokens = b.resp_mask.sum()
-        red = torch.tensor([rewards.sum(), rewards.numel(), resp_tokens, mm["token_mult_prob_error"],
-                            mm["gen_kl_error"], sum(s.truncated for s in samples), (rewards.std(1) == 0).sum(),
-                            sums.get("tokens", 0.0), sums.get("clip_low", 0.0), sums.get("clip_high", 0.0),
-                            sums.get("kl", 0.0), sums.get("entropy", 0.0), sums.get("loss", 0.0), adv.abs().sum()],
-                           dtype=torch.float64)
-        dist.all_reduce_sum(red)
-        n_seq, n_tok, n_loss_tok = red[1], max(float(red[2]), 1.0), max(float(red[7]), 1.0)
+        a = adv.flatten().double()
+        local = {"reward": rewards.sum(), "seqs": rewards.numel(), "resp_tokens": b.resp_mask.sum(),
+                 "truncated": sum(s.truncated for s in samples), "groups": n_groups, "zero_var_groups": n_zero,
+                 "adv": a.sum(), "adv_sq": (a * a).sum(), **mm, **sums}
+        keys = sorted(local)
+        tot = dict(zip(keys, dist.all_reduce_sum(torch.tensor([float(local[k]) for k in keys], dtype=torch.float64)).tolist()))
+        n_seq, n_tok, n_loss_tok = tot["seqs"], max(tot["resp_tokens"], 1.0), max(tot.get("tokens", 0.0), 1.0)
+        adv_mean = tot["adv"] / n_seq
         row = dict(
-            step=step, reward_mean=float(red[0] / n_seq), response_len_mean=float(red[2] / n_seq),
-            loss=float(red[12]), grad_norm=float(grad_norm), clip_frac_low=float(red[8] / n_loss_tok),
-            clip_frac_high=float(red[9] / n_loss_tok), kl=float(red[10] / n_loss_tok),
-            entropy=float(red[11] / n_tok), token_mult_prob_error=float(red[3] / n_tok),
-            gen_kl_error=float(red[4] / n_tok), truncated_frac=float(red[5] / n_seq),
-            zero_var_group_frac=float(red[6] / (n_seq / cfg.group_size)), adv_abs_mean=float(red[13] / n_seq),
+            step=step, reward_mean=tot["reward"] / n_seq, response_len_mean=tot["resp_tokens"] / n_seq,
+            loss=tot.get("loss", 0.0), grad_norm=float(grad_norm), clip_frac_low=tot.get("clip_low", 0.0) / n_loss_tok,
+            clip_frac_high=tot.get("clip_high", 0.0) / n_loss_tok, kl=tot.get("kl", 0.0) / n_loss_tok,
+            entropy=tot.get("entropy", 0.0) / n_tok, token_mult_prob_error=tot["token_mult_prob_error"] / n_tok,
+            gen_kl_error=tot["gen_kl_error"] / n_tok, truncated_frac=tot["truncated"] / n_seq,
+            zero_var_group_frac=tot["zero_var_groups"] / tot["groups"], adv_mean=adv_mean,
+            adv_std=max(tot["adv_sq"] / n_seq - adv_mean**2, 0.0) ** 0.5, generation_rounds=tries,
             lr=sched.get_last_lr()[0], time_generate=t1 - t0, time_score=t2 - t1, time_train=t3 - t2,
             time_refit=t4 - t3,
         )
@@ -310,7 +372,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
             last_eval = evaluate(engine, tok, cfg, heldout, heldout_prompts, seed=cfg.seed + step)
             row.update(last_eval)
         row["time_step"] = time.time() - t0
-        row["tokens_per_s"] = float(red[2]) / row["time_step"]
+        row["tokens_per_s"] = tot["resp_tokens"] / row["time_step"]
         row["elapsed"] = time.time() - t_start
         history.append(row)
         if dist.is_main():

@@ -1,7 +1,10 @@
 """train.py end to end with the real vLLM engine and the tiny base model: a short GRPO run must learn."""
 
 import json
+import math
 import random
+
+import pytest
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -48,3 +51,57 @@ def test_micro_batches_cover_every_row_once_within_budget():
         assert sorted(flat) == rows
         for mb in mbs:
             assert len(mb) == 1 or len(mb) * max(lengths[r] for r in mb) <= budget
+
+
+def test_bad_flags_fail_with_one_line_before_any_model_loads(monkeypatch, tmp_path):
+    import model
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the config was validated")
+
+    monkeypatch.setattr(model, "load_model", no_load)
+    monkeypatch.setattr(model, "ensure_tiny_base", no_load)
+    for flags, needle in [(dict(group_size=1), "--group-size 1"), (dict(prompts_per_step=0), "--prompts-per-step 0"),
+                          (dict(lr=0.0), "--lr 0.0"), (dict(max_new_tokens=64), "--max-new-tokens 64"),
+                          (dict(minibatch_size=10_000), "--minibatch-size 10000"),
+                          (dict(model=str(tmp_path / "nope")), "--model")]:
+        with pytest.raises(SystemExit) as e:
+            train.train(train.Config(out_dir=str(tmp_path), **flags))
+        assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_kl_to_reference_starts_at_zero_and_grows(vllm_engine, tmp_path, monkeypatch):
+    import model
+
+    loads = []
+    real_load = model.load_model
+    monkeypatch.setattr(model, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    cfg = train.Config(steps=12, eval_every=0, kl_beta=0.05, lr=1e-3, out_dir=str(tmp_path), quiet=True,
+                       save_final=False)
+    rows = train.train(cfg, engine=vllm_engine)["history"][1:]
+    assert len(loads) == 2  # the policy and the frozen reference
+    assert rows[0]["kl"] == 0.0  # the first step's policy is the reference
+    assert rows[-1]["kl"] > 1e-3 and rows[-1]["kl"] > rows[1]["kl"]
+
+
+def test_beta_zero_loads_no_reference_model(vllm_engine, tmp_path, monkeypatch):
+    import model
+
+    loads = []
+    real_load = model.load_model
+    monkeypatch.setattr(model, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    rows = train.train(train.Config(steps=1, eval_every=0, out_dir=str(tmp_path), quiet=True, save_final=False),
+                       engine=vllm_engine)["history"]
+    assert len(loads) == 1 and rows[1]["kl"] == 0.0
+
+
+def test_dynamic_sampling_trains_only_on_informative_groups(vllm_engine, tmp_path):
+    cfg = train.Config(steps=3, eval_every=0, dynamic_sampling=True, dynamic_sampling_max_tries=6,
+                       out_dir=str(tmp_path), quiet=True, save_final=False)
+    rows = train.train(cfg, engine=vllm_engine)["history"][1:]
+    for r in rows:
+        assert r["zero_var_group_frac"] > 0  # some groups were generated without signal...
+        assert r["generation_rounds"] >= 2  # ...so more prompts were drawn...
+        # ...and every kept group has signal: each has advantages of sample std 1, so their population std over
+        # all sequences is sqrt((G-1)/G); a single zero-variance group among the 32 would give 0.920
+        assert r["adv_std"] == pytest.approx(math.sqrt(7 / 8), abs=2e-3)
