@@ -1,19 +1,25 @@
-"""Processes: the process group from torchrun's environment, reductions across ranks, rank-0 printing.
+"""Processes: the process group, FSDP2 sharding, full-weight streaming for the refit, and reductions.
 
-What it does: with `torchrun --nproc_per_node N`, each rank trains a full replica on its share of the prompts and
-the gradients are summed across ranks before each optimizer step. Because the loss of every rank is already
-divided by the *global* token count (see grpo.py), that sum is exactly the gradient of the global batch, at any
-world size. A single process (plain `python train.py`) needs no process group at all.
+What it does:
+- init: the process group from torchrun's environment (NCCL on GPU, gloo on CPU) with a timeout, so a rank
+  stuck in a collective errors out instead of hanging forever. (When a rank *dies*, torchrun stops the others.)
+- shard: FSDP2 (`fully_shard`) on every decoder layer and on the root, parameters kept in float32 and computed in
+  bfloat16 on GPU (gradients reduced in float32); gradients are *summed* over ranks, not averaged, because every
+  rank's loss is already divided by the global token count (grpo.py): the sum is the global-batch gradient, at
+  any world size. Optional activation checkpointing (HF's, which keeps parameter names unchanged).
+- full_weights: the model's full tensors one at a time, gathered from the shards as they are consumed, so the
+  refit never holds a second full copy of the model beside vLLM's (the bound is the largest single tensor).
+- reductions (sum, max, gradients, grad-norm clipping) that are no-ops in a single process, and rank-0 printing.
 
-What it does not do (yet): shard parameters (FSDP2), stream sharded weights into vLLM, or write checkpoints.
+What it does not do: decide what to shard beyond "each decoder layer", or write checkpoints.
 """
 
 import datetime
 import os
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
-
 
 _OURS = False  # vLLM starts a world-size-1 process group of its own in a single process: never destroy that one
 
@@ -21,23 +27,23 @@ _OURS = False  # vLLM starts a world-size-1 process group of its own in a single
 def init(timeout_s: int = 600) -> tuple[int, int]:
     """(rank, world_size); starts the process group when launched by torchrun. NCCL on GPU, gloo on CPU."""
     global _OURS
-    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return 0, 1
     if not dist.is_initialized():
-        _OURS = True
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        _OURS = True
     return dist.get_rank(), dist.get_world_size()
 
 
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return dist.get_world_size() if _OURS else 1
 
 
 def is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return not _OURS or dist.get_rank() == 0
 
 
 def print0(*args, **kwargs) -> None:
@@ -47,19 +53,73 @@ def print0(*args, **kwargs) -> None:
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place; a no-op for one process."""
-    if dist.is_initialized():
+    if _OURS:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
-def all_reduce_grads(model: torch.nn.Module) -> None:
-    """Sum every gradient over ranks (the loss is already normalized by the global token count)."""
-    if not dist.is_initialized():
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    if _OURS:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
+def shard(model: torch.nn.Module, bf16_compute: bool, checkpointing: bool) -> torch.nn.Module:
+    """FSDP2 over the ranks (a no-op for one process), with optional activation checkpointing."""
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if not _OURS:
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute else MixedPrecisionPolicy()
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    model.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is already normalized by the global count
+    return model
+
+
+def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every parameter, gathered from the FSDP shards one tensor at a time.
+
+    Every rank must consume the iterator completely and in the same order (each step is a collective).
+    """
+    from torch.distributed.tensor import DTensor
+
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        yield name, t if dtype is None else t.to(dtype)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict on CPU (a collective under FSDP: every rank calls it; all get the full dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not _OURS:
+        return model.state_dict()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def reduce_gradients(model: torch.nn.Module) -> None:
+    """Sum gradients over ranks for a model that FSDP does not manage (FSDP reduce-scatters in backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not _OURS or isinstance(model, FSDPModule):
         return
     for p in model.parameters():
         if p.grad is None:  # a rank with nothing to train this minibatch still joins every reduction
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip by the global gradient norm (over all shards) and return it."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def close() -> None:

@@ -14,7 +14,7 @@ What it does not do: decide what to generate (train.py), score responses (reward
 import logging
 import os
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol
+from typing import Iterable, Protocol
 
 import torch
 
@@ -89,8 +89,11 @@ class VLLMEngine:
     def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None) -> list[Sample]:
         from vllm import SamplingParams, TokensPrompt
 
-        sp = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0, seed=seed)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        # One seed per prompt: a single seed shared by all requests would feed every prompt the same random
+        # draws, correlating samples across groups.
+        sps = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
+                              seed=None if seed is None else seed * 1_000_003 + i) for i in range(len(prompts))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
         samples = []
         for i, out in enumerate(outs):
             for c in out.outputs:
@@ -166,9 +169,3 @@ class HFEngine:
         with torch.no_grad():
             for name, t in weights:
                 params[name].copy_(t)  # a tied lm_head shares storage with the embedding: one copy serves both
-
-
-def named_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """The trainer's weights as (HF name, tensor), detached, one at a time (no second copy of the model)."""
-    for name, p in model.named_parameters():
-        yield name, p.detach()

@@ -35,7 +35,9 @@ class Config:
     model: str = "tiny"  # HF path or hub name; "tiny" builds (once) and uses the built-in demo base model
     engine: Literal["vllm", "hf"] = "vllm"  # rollout engine: colocated vLLM, or HF generate (no vLLM needed)
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute/engine dtype (weights stay float32); auto: bfloat16 on GPU, float32 on CPU
+    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long sequences)
+    dist_timeout_s: int = 600  # a collective waiting longer than this fails the run instead of hanging
     # the task
     task: Literal["sum3"] = "sum3"  # sum3: the synthetic demo task of data.py
     # batch shape
@@ -179,6 +181,80 @@ def evaluate(engine, tok, cfg: Config, problems: list[data.Problem], prompts: li
     return {"heldout_pass1": sum(s) / len(s), "heldout_greedy": sum(g) / len(g)}
 
 
+def _logprobs(m, mb: dict, cfg: Config, device, grad: bool):
+    # bf16 compute: FSDP2 casts sharded models itself; a single process uses autocast
+    autocast = device.type == "cuda" and cfg.dtype != "float32" and dist.world_size() == 1
+    with torch.set_grad_enabled(grad), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+        return M.token_logprobs(m, mb["input_ids"].to(device), mb["attention_mask"].to(device),
+                                mb["resp_start"].to(device), mb["T"], cfg.temperature, cfg.logprob_chunk_tokens,
+                                with_entropy=grad)
+
+
+def _equal_micro_batches(b: Batch, rows: list[int], cfg: Config) -> list[list[int]]:
+    """Token-budget micro-batches, padded with empty ones so every rank runs the same number of passes.
+
+    Under FSDP each forward all-gathers parameters and each backward reduce-scatters gradients: a rank that ran
+    one pass fewer would leave the others waiting forever. An empty micro-batch runs one row with zero weight.
+    """
+    mbs = micro_batches(b.lengths, rows, cfg.micro_batch_tokens) if rows else []
+    n = int(dist.all_reduce_max(torch.tensor([len(mbs)])).item())
+    return mbs + [[]] * (n - len(mbs))
+
+
+def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo.LossConfig, device):
+    """Steps 5 and 6 of DESIGN.md on this rank's share of the batch: old/reference logprobs, then one AdamW step
+    per minibatch (loss over token-budget micro-batches, gradients summed over ranks, clipped). Returns summed
+    metrics, the last gradient norm, and the old logprobs [N, T]."""
+    N = len(b.lengths)
+    # every rank makes the same number of optimizer steps, even when its N differs (dynamic sampling)
+    n_minibatches = cfg.prompts_per_step * cfg.group_size // cfg.minibatch_size if cfg.minibatch_size else 1
+    minibatches = [c.tolist() for c in torch.arange(N).tensor_split(n_minibatches)]
+    single = len(minibatches) == 1
+    # 5. old (and reference) logprobs, once per rollout. With one update per step the policy has not moved yet,
+    #    so old_logp is the detached logp of the training forward itself and needs no pass of its own.
+    old_logp = torch.zeros_like(b.gen_logp)  # [N, T]
+    ref_logp = torch.zeros_like(b.gen_logp)  # [N, T]
+    for rows in _equal_micro_batches(b, list(range(N)), cfg) if (not single or ref is not None) else []:
+        mb = rows_of(b, rows or [0])
+        for m, out in ((policy, old_logp), (ref, ref_logp)):
+            if m is not None and (m is ref or not single):
+                lp = _logprobs(m, mb, cfg, device, grad=False)[0].cpu()
+                if rows:
+                    out[rows, : mb["T"]] = lp
+    # 6. minibatch updates: loss -> backward -> grad clip -> AdamW step; micro-batches sized by tokens
+    policy.train()
+    sums: dict[str, float] = {}
+    grad_norm = torch.tensor(0.0)
+    for rows in minibatches:
+        counts = torch.tensor([b.loss_mask[rows].sum().item(), float((b.loss_mask[rows].sum(1) > 0).sum())])
+        dist.all_reduce_sum(counts)  # the global normalizer: the gradient does not depend on world size or splits
+        norm = max(float(counts[0] if cfg.token_level else counts[1]), 1.0)
+        for mrows in _equal_micro_batches(b, rows, cfg):
+            mb = rows_of(b, mrows or [rows[0] if rows else 0])
+            logp, entropy = _logprobs(policy, mb, cfg, device, grad=True)  # [n, T]
+            old = logp.detach().cpu() if single else old_logp[mrows or [0], : mb["T"]]
+            if single and mrows:
+                old_logp[mrows, : mb["T"]] = old
+            loss_mask = mb["loss_mask"].to(device) * (1.0 if mrows else 0.0)  # an empty micro-batch weighs 0
+            loss, metrics = grpo.policy_loss(
+                logp, old.to(device), mb["advantages"].to(device), loss_mask, loss_cfg, num_tokens=norm,
+                ref_logp=ref_logp[mrows or [0], : mb["T"]].to(device) if ref is not None else None,
+                gen_logp=mb["gen_logp"].to(device))
+            loss.backward()
+            if mrows:
+                metrics["loss"] = loss.detach()
+                metrics["entropy"] = (entropy.detach() * mb["resp_mask"].to(device)).sum()
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+        dist.reduce_gradients(policy)
+        grad_norm = dist.clip_grad_norm(policy, cfg.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    policy.eval()
+    return sums, float(grad_norm), old_logp
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The loop
 
@@ -209,14 +285,14 @@ def validate(cfg: Config, world: int) -> None:
 
 def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     """Run GRPO; `engine` lets a caller (the tests) bring an engine that already holds the base model's weights."""
-    rank, world = dist.init()
+    rank, world = dist.init(cfg.dist_timeout_s)
     validate(cfg, world)
     threads = cfg.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    engine_dtype = torch.bfloat16 if bf16 else torch.float32
     out = Path(cfg.out_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if dist.is_main():
         out.mkdir(parents=True, exist_ok=True)
@@ -232,27 +308,26 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     if longest > cfg.max_seq_len - cfg.max_new_tokens:
         raise SystemExit(f"error: a prompt has {longest} tokens, more than --max-seq-len {cfg.max_seq_len} minus "
                          f"--max-new-tokens {cfg.max_new_tokens} leaves")
-    policy = M.load_model(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code).to(device)
-    ref = M.load_model(path, dtype=dtype).to(device).eval().requires_grad_(False) if cfg.kl_beta > 0 else None
+    policy = M.load_model(path, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code).to(device)
+    policy = dist.shard(policy, bf16_compute=bf16, checkpointing=cfg.activation_checkpointing)
+    ref = None
+    if cfg.kl_beta > 0:  # the frozen initial model, sharded like the policy, only when the KL term is on
+        ref = M.load_model(path, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code).to(device)
+        ref = dist.shard(ref.eval().requires_grad_(False), bf16_compute=bf16, checkpointing=False)
     if engine is not None:
         pass
     elif cfg.engine == "vllm":
         engine = rollout.VLLMEngine(path, max_model_len=cfg.max_seq_len, seed=cfg.seed + rank,
-                                    dtype=str(dtype).removeprefix("torch."), trust_remote_code=cfg.trust_remote_code)
+                                    dtype=str(engine_dtype).removeprefix("torch."), external_launcher=world > 1,
+                                    trust_remote_code=cfg.trust_remote_code)
     else:
-        engine = rollout.HFEngine(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        engine = rollout.HFEngine(path, dtype=engine_dtype, trust_remote_code=cfg.trust_remote_code)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     loss_cfg = grpo.LossConfig(cfg.eps_low, cfg.eps_high, cfg.dual_clip, cfg.kl_beta, cfg.kl_kind,
                                cfg.token_level, cfg.is_correction, cfg.is_cap)
     per_rank, G = cfg.prompts_per_step // world, cfg.group_size
     stream = PromptStream(len(train_set), cfg.seed)
-
-    def logprobs(m, mb, grad: bool):
-        with torch.set_grad_enabled(grad):
-            return M.token_logprobs(m, mb["input_ids"].to(device), mb["attention_mask"].to(device),
-                                    mb["resp_start"].to(device), mb["T"], cfg.temperature,
-                                    cfg.logprob_chunk_tokens, with_entropy=grad)
 
     from tqdm import tqdm
 
@@ -301,51 +376,11 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         # 4. advantages
         adv = grpo.group_advantages(rewards, cfg.leave_one_out, cfg.normalize_std)  # [P, G]
         b = make_batch(prompts, samples, adv.flatten(), cfg.overlong_filter, tok.pad_token_id)
-        # 5. old (and reference) logprobs, once per rollout. With one update per step the policy has not moved
-        #    yet, so old_logp is the detached logp of the training forward itself and needs no pass of its own.
-        N = len(samples)  # every rank makes the same number of optimizer steps, even when its N differs
-        n_minibatches = cfg.prompts_per_step * G // cfg.minibatch_size if cfg.minibatch_size else 1
-        minibatches = [c.tolist() for c in torch.arange(N).tensor_split(n_minibatches)]
-        old_logp = torch.zeros_like(b.gen_logp)
-        ref_logp = torch.zeros_like(b.gen_logp)
-        if len(minibatches) > 1 or ref is not None:
-            for rows in micro_batches(b.lengths, list(range(N)), cfg.micro_batch_tokens):
-                mb = rows_of(b, rows)
-                if len(minibatches) > 1:
-                    old_logp[rows, : mb["T"]] = logprobs(policy, mb, grad=False)[0].cpu()
-                if ref is not None:
-                    ref_logp[rows, : mb["T"]] = logprobs(ref, mb, grad=False)[0].cpu()
-        # 6. minibatch updates: loss -> backward -> clip -> AdamW step; micro-batches sized by tokens
-        policy.train()
-        sums: dict[str, float] = {}
-        for rows in minibatches:
-            n_tok = torch.tensor([b.loss_mask[rows].sum().item(), float((b.loss_mask[rows].sum(1) > 0).sum())])
-            dist.all_reduce_sum(n_tok)
-            norm = n_tok[0] if cfg.token_level else n_tok[1]
-            for mrows in micro_batches(b.lengths, rows, cfg.micro_batch_tokens):
-                mb = rows_of(b, mrows)
-                logp, entropy = logprobs(policy, mb, grad=True)
-                old = logp.detach().cpu() if len(minibatches) == 1 else old_logp[mrows, : mb["T"]]
-                if len(minibatches) == 1:
-                    old_logp[mrows, : mb["T"]] = old
-                loss, metrics = grpo.policy_loss(
-                    logp, old.to(device), mb["advantages"].to(device), mb["loss_mask"].to(device), loss_cfg,
-                    num_tokens=max(float(norm), 1.0), ref_logp=ref_logp[mrows, : mb["T"]].to(device) if ref else None,
-                    gen_logp=mb["gen_logp"].to(device))
-                loss.backward()
-                metrics["loss"] = loss.detach()
-                metrics["entropy"] = (entropy.detach() * mb["resp_mask"].to(device)).sum()
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-            dist.all_reduce_grads(policy)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-        policy.eval()
+        # 5-6. old (and reference) logprobs, then minibatch updates
+        sums, grad_norm, old_logp = update_policy(policy, ref, opt, sched, b, cfg, loss_cfg, device)
         t3 = time.time()
         # 7. refit: the engine samples the next step from the new weights
-        engine.load_weights(rollout.named_weights(policy))
+        engine.load_weights(dist.full_weights(policy, engine_dtype))
         t4 = time.time()
         # 8. metrics (reduced over ranks) and held-out evaluation
         mm = grpo.mismatch_metrics(b.gen_logp, old_logp, b.resp_mask)
@@ -382,10 +417,11 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
                             mpe=f"{row['token_mult_prob_error']:.3f}")
     bar.close()
 
+    state = dist.full_state_dict(policy) if cfg.save_final else None  # every rank joins the gather
     if cfg.save_final and dist.is_main():
         final, tmp = out / "final", out / ".final.tmp"  # written aside, then renamed: never half-written
         shutil.rmtree(tmp, ignore_errors=True)
-        policy.save_pretrained(tmp)
+        policy.save_pretrained(tmp, state_dict=state)
         tok.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

@@ -41,8 +41,8 @@ def _vllm(tiny_path):
 @pytest.fixture
 def vllm_engine(_vllm, tiny_path):
     """The session's vLLM engine, holding the base model's weights."""
+    import distributed
     import model
-    import rollout
 
-    _vllm.load_weights(rollout.named_weights(model.load_model(tiny_path)))
+    _vllm.load_weights(distributed.full_weights(model.load_model(tiny_path)))
     return _vllm

@@ -154,3 +154,21 @@ def test_zero_variance_group_gives_no_gradient():
     loss, _ = grpo.policy_loss(logp, logp.detach(), adv, torch.ones(8, 5), grpo.LossConfig(), 40.0)
     loss.backward()
     assert logp.grad[:4].abs().max() == 0 and logp.grad[4:].abs().max() > 0
+
+
+def test_overlong_filter_masks_truncated_responses_but_keeps_them_in_the_baseline():
+    import rollout
+    import train
+
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    truncated = [False, True, False, True]
+    samples = [rollout.Sample(0, [5] * (3 if t else 2), [-0.5] * (3 if t else 2), t) for t in truncated]
+    adv = grpo.group_advantages(rewards).flatten()
+    # the baseline is the mean over all four rewards (0.5), truncated ones included
+    want = torch.tensor(ref_advantages(rewards.tolist(), False, True, 1e-6)[0], dtype=torch.float32)
+    torch.testing.assert_close(adv, want)
+    b = train.make_batch([[1, 2, 3]], samples, adv, overlong_filter=True, pad_id=0)
+    assert b.loss_mask.sum(1).tolist() == [2, 0, 2, 0]
+    assert b.resp_mask.sum(1).tolist() == [2, 3, 2, 3]
+    b = train.make_batch([[1, 2, 3]], samples, adv, overlong_filter=False, pad_id=0)
+    assert b.loss_mask.sum(1).tolist() == [2, 3, 2, 3]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import data
+import distributed
 import model
 import rollout
 import train
@@ -55,11 +56,11 @@ def test_vllm_logprobs_match_trainer_before_and_after_refit(vllm_engine, tiny_pa
     new = perturbed(tiny_path, seed=0)
     # without a refit the engine is stale: this is what the test must catch
     assert mean_abs_diff(new, vllm_engine, prompts, seed=2) > 1e-2
-    vllm_engine.load_weights(rollout.named_weights(new))
+    vllm_engine.load_weights(distributed.full_weights(new))
     assert mean_abs_diff(new, vllm_engine, prompts, seed=3) < 1e-3
     # a second refit (the next step) must not keep anything from the first one
     newer = perturbed(tiny_path, seed=1)
-    vllm_engine.load_weights(rollout.named_weights(newer))
+    vllm_engine.load_weights(distributed.full_weights(newer))
     assert mean_abs_diff(newer, vllm_engine, prompts, seed=4) < 1e-3
 
 
@@ -67,7 +68,7 @@ def test_hf_engine_logprobs_match_trainer_after_refit(tiny_path, tok):
     engine = rollout.HFEngine(tiny_path)
     prompts = prompts_of(tok, 32)
     new = perturbed(tiny_path, seed=2)
-    engine.load_weights(rollout.named_weights(new))
+    engine.load_weights(distributed.full_weights(new))
     assert mean_abs_diff(new, engine, prompts, seed=0) < 1e-4
 
 
