@@ -4,12 +4,12 @@ What it does:
 - init: the process group from torchrun's environment (NCCL on GPU, gloo on CPU) with a timeout, so a rank
   stuck in a collective errors out instead of hanging forever. (When a rank *dies*, torchrun stops the others.)
 - shard: FSDP2 (`fully_shard`) on every decoder layer and on the root, parameters kept in float32 and computed in
-  bfloat16 on GPU (gradients reduced in float32); gradients are *summed* over ranks, not averaged, because every
-  rank's loss is already divided by the global token count (grpo.py): the sum is the global-batch gradient, at
-  any world size. Optional activation checkpointing (HF's, which keeps parameter names unchanged).
+  bfloat16 on GPU (gradients reduced in float32). Every rank's loss is already divided by the global token count
+  (grpo.py), so the global-batch gradient is the *sum* over ranks (see loss_scale), at any world size.
+  Optional activation checkpointing (HF's, which keeps parameter names unchanged).
 - full_weights: the model's full tensors one at a time, gathered from the shards as they are consumed, so the
   refit never holds a second full copy of the model beside vLLM's (the bound is the largest single tensor).
-- reductions (sum, max, gradients, grad-norm clipping) that are no-ops in a single process, and rank-0 printing.
+- reductions (sum, max, grad-norm clipping) that are no-ops in a single process, and rank-0 printing.
 
 What it does not do: decide what to shard beyond "each decoder layer", or write checkpoints.
 """
@@ -64,21 +64,31 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def shard(model: torch.nn.Module, bf16_compute: bool, checkpointing: bool) -> torch.nn.Module:
-    """FSDP2 over the ranks (a no-op for one process), with optional activation checkpointing."""
+def shard(root: torch.nn.Module, lm: torch.nn.Module, bf16_compute: bool, checkpointing: bool) -> torch.nn.Module:
+    """FSDP2 over the ranks (a no-op for one process): each decoder layer of the HF model `lm`, then `root` (the
+    module whose forward the trainer calls, model.LogprobModel). Optional activation checkpointing."""
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm.config.use_cache = False
     if not _OURS:
-        return model
+        return root
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute else MixedPrecisionPolicy()
-    for layer in model.get_decoder().layers:
+    for layer in lm.get_decoder().layers:
         fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    model.set_gradient_divide_factor(1.0)  # sum over ranks: the loss is already normalized by the global count
-    return model
+    fully_shard(root, mp_policy=mp)
+    return root
+
+
+def loss_scale() -> float:
+    """Multiply each rank's loss by this before backward.
+
+    FSDP averages gradients over ranks, but every rank's loss is already divided by the *global* token count, so
+    the global-batch gradient is the sum: scaling by the world size turns FSDP's average into that sum.
+    (set_gradient_divide_factor(1.0) would say the same, but gloo lacks the PREMUL_SUM reduction it needs.)
+    """
+    return float(world_size())
 
 
 def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -96,24 +106,8 @@ def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> It
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full state dict on CPU (a collective under FSDP: every rank calls it; all get the full dict)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    if not _OURS:
-        return model.state_dict()
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def reduce_gradients(model: torch.nn.Module) -> None:
-    """Sum gradients over ranks for a model that FSDP does not manage (FSDP reduce-scatters in backward)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not _OURS or isinstance(model, FSDPModule):
-        return
-    for p in model.parameters():
-        if p.grad is None:  # a rank with nothing to train this minibatch still joins every reduction
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+    """The full state dict on CPU (a collective under FSDP: every rank calls it), with HF parameter names."""
+    return {name: t.cpu() for name, t in full_weights(model)}
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:

@@ -148,46 +148,66 @@ def _logp_entropy_chunk(hidden, lm_head_weight, targets, temperature: float, wit
     return logp, entropy
 
 
-def token_logprobs(
-    model,
-    input_ids: torch.Tensor,  # [B, L] prompt + response, right-padded
-    attention_mask: torch.Tensor,  # [B, L]
-    resp_start: torch.Tensor,  # [B] index of each row's first response token
-    resp_len: int,  # T: width of the output, the longest response in the batch
-    temperature: float = 1.0,
-    chunk_tokens: int = 4096,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs [B, T] of the response tokens (and the policy's entropy at those positions), zero past each row's end.
+class LogprobModel(torch.nn.Module):
+    """An HF causal LM whose forward returns the response tokens' logprobs instead of logits.
 
-    Only the hidden states that predict response tokens go through the LM head, in chunks of `chunk_tokens`
-    positions. With grad enabled each chunk is recomputed in backward (activation checkpointing), so the float32
-    logits of the whole batch never exist at once: memory is O(chunk_tokens x vocab), not O(B x T x vocab).
-    Logits are divided by the sampling temperature, so these are the logprobs of the distribution sampled from.
+    It exists so that the logprob computation *is* a module's forward: FSDP2 wraps this module as the root, and
+    gathers the root's parameters (embeddings, final norm, LM head) only around a root forward. Calling the
+    decoder and the LM head separately on a sharded model would bypass that.
     """
-    B, L = input_ids.shape
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
-    # position resp_start + t - 1 predicts response token t
-    t = torch.arange(resp_len, device=input_ids.device)  # [T]
-    tgt_pos = resp_start[:, None] + t[None, :]  # [B, T]
-    valid = (tgt_pos < L) & (attention_mask.gather(1, tgt_pos.clamp(max=L - 1)) > 0)  # [B, T]
-    rows, cols = valid.nonzero(as_tuple=True)  # N valid (row, t) pairs
-    pos = tgt_pos[rows, cols]  # [N]
-    h = hidden[rows, pos - 1]  # [N, H]
-    targets = input_ids[rows, pos]  # [N]
-    w = model.get_output_embeddings().weight  # [V, H]
-    logps, ents = [], []
-    for s in range(0, h.shape[0], chunk_tokens):
-        args = (h[s : s + chunk_tokens], w, targets[s : s + chunk_tokens], temperature, with_entropy)
-        if torch.is_grad_enabled():
-            lp, en = checkpoint(_logp_entropy_chunk, *args, use_reentrant=False)
-        else:
-            lp, en = _logp_entropy_chunk(*args)
-        logps.append(lp)
-        ents.append(en)
-    out_lp = hidden.new_zeros(B, resp_len, dtype=torch.float32)
-    out_en = hidden.new_zeros(B, resp_len, dtype=torch.float32)
-    if logps:
-        out_lp = out_lp.index_put((rows, cols), torch.cat(logps))
-        out_en = out_en.index_put((rows, cols), torch.cat(ents))
-    return out_lp, out_en
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, L] prompt + response, right-padded
+        attention_mask: torch.Tensor,  # [B, L]
+        resp_start: torch.Tensor,  # [B] index of each row's first response token
+        resp_len: int,  # T: width of the output, the longest response in the batch
+        temperature: float = 1.0,
+        chunk_tokens: int = 4096,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs [B, T] of the response tokens (and the policy's entropy there), zero past each row's end.
+
+        Only the hidden states that predict response tokens go through the LM head, in chunks of `chunk_tokens`
+        positions. With grad enabled each chunk is recomputed in backward (activation checkpointing), so the
+        float32 logits of the whole batch never exist at once: memory is O(chunk_tokens x vocab), not
+        O(B x T x vocab). Logits are divided by the sampling temperature: these are the logprobs of the
+        distribution that was sampled from.
+        """
+        B, L = input_ids.shape
+        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
+        # position resp_start + t - 1 predicts response token t
+        t = torch.arange(resp_len, device=input_ids.device)  # [T]
+        tgt_pos = resp_start[:, None] + t[None, :]  # [B, T]
+        valid = (tgt_pos < L) & (attention_mask.gather(1, tgt_pos.clamp(max=L - 1)) > 0)  # [B, T]
+        rows, cols = valid.nonzero(as_tuple=True)  # N valid (row, t) pairs
+        pos = tgt_pos[rows, cols]  # [N]
+        h = hidden[rows, pos - 1]  # [N, H]
+        targets = input_ids[rows, pos]  # [N]
+        w = self.lm.get_output_embeddings().weight  # [V, H]
+        logps, ents = [], []
+        for s in range(0, h.shape[0], chunk_tokens):
+            args = (h[s : s + chunk_tokens], w, targets[s : s + chunk_tokens], temperature, with_entropy)
+            if torch.is_grad_enabled():
+                lp, en = checkpoint(_logp_entropy_chunk, *args, use_reentrant=False)
+            else:
+                lp, en = _logp_entropy_chunk(*args)
+            logps.append(lp)
+            ents.append(en)
+        out_lp = hidden.new_zeros(B, resp_len, dtype=torch.float32)
+        out_en = hidden.new_zeros(B, resp_len, dtype=torch.float32)
+        if logps:
+            out_lp = out_lp.index_put((rows, cols), torch.cat(logps))
+            out_en = out_en.index_put((rows, cols), torch.cat(ents))
+        return out_lp, out_en
+
+
+def token_logprobs(model, input_ids, attention_mask, resp_start, resp_len, temperature=1.0, chunk_tokens=4096,
+                   with_entropy=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """LogprobModel's forward for an HF model or a LogprobModel (see there for shapes and memory)."""
+    m = model if isinstance(model, LogprobModel) else LogprobModel(model)
+    return m(input_ids, attention_mask, resp_start, resp_len, temperature, chunk_tokens, with_entropy)

@@ -181,6 +181,12 @@ def evaluate(engine, tok, cfg: Config, problems: list[data.Problem], prompts: li
     return {"heldout_pass1": sum(s) / len(s), "heldout_greedy": sum(g) / len(g)}
 
 
+def load_trainable(path: str, device, bf16: bool, checkpointing: bool, trust_remote_code: bool = False) -> M.LogprobModel:
+    """An HF model in float32 (the optimizer's master weights), wrapped to return logprobs, sharded over ranks."""
+    lm = M.load_model(path, dtype=torch.float32, trust_remote_code=trust_remote_code).to(device)
+    return dist.shard(M.LogprobModel(lm), lm, bf16_compute=bf16, checkpointing=checkpointing)
+
+
 def _logprobs(m, mb: dict, cfg: Config, device, grad: bool):
     # bf16 compute: FSDP2 casts sharded models itself; a single process uses autocast
     autocast = device.type == "cuda" and cfg.dtype != "float32" and dist.world_size() == 1
@@ -201,14 +207,18 @@ def _equal_micro_batches(b: Batch, rows: list[int], cfg: Config) -> list[list[in
     return mbs + [[]] * (n - len(mbs))
 
 
-def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo.LossConfig, device):
+def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo.LossConfig, device,
+                  group_offset: int = 0):
     """Steps 5 and 6 of DESIGN.md on this rank's share of the batch: old/reference logprobs, then one AdamW step
-    per minibatch (loss over token-budget micro-batches, gradients summed over ranks, clipped). Returns summed
-    metrics, the last gradient norm, and the old logprobs [N, T]."""
-    N = len(b.lengths)
-    # every rank makes the same number of optimizer steps, even when its N differs (dynamic sampling)
-    n_minibatches = cfg.prompts_per_step * cfg.group_size // cfg.minibatch_size if cfg.minibatch_size else 1
-    minibatches = [c.tolist() for c in torch.arange(N).tensor_split(n_minibatches)]
+    per minibatch (loss over token-budget micro-batches, gradients summed over ranks by FSDP, clipped). Returns summed
+    metrics, the last gradient norm, and the old logprobs [N, T]. group_offset: global index of this rank's first
+    group (rank * prompts per rank)."""
+    N, G = len(b.lengths), cfg.group_size
+    # Minibatch k holds the groups whose global index j has j % n_minibatches == k: whole groups, and the same
+    # global composition at any world size (a contiguous split per rank would mix different groups). Every rank
+    # makes the same number of optimizer steps, even when its share is uneven (dynamic sampling).
+    n_minibatches = cfg.prompts_per_step * G // cfg.minibatch_size if cfg.minibatch_size else 1
+    minibatches = [[r for r in range(N) if (group_offset + r // G) % n_minibatches == k] for k in range(n_minibatches)]
     single = len(minibatches) == 1
     # 5. old (and reference) logprobs, once per rollout. With one update per step the policy has not moved yet,
     #    so old_logp is the detached logp of the training forward itself and needs no pass of its own.
@@ -240,13 +250,12 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
                 logp, old.to(device), mb["advantages"].to(device), loss_mask, loss_cfg, num_tokens=norm,
                 ref_logp=ref_logp[mrows or [0], : mb["T"]].to(device) if ref is not None else None,
                 gen_logp=mb["gen_logp"].to(device))
-            loss.backward()
+            (loss * dist.loss_scale()).backward()
             if mrows:
                 metrics["loss"] = loss.detach()
                 metrics["entropy"] = (entropy.detach() * mb["resp_mask"].to(device)).sum()
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
-        dist.reduce_gradients(policy)
         grad_norm = dist.clip_grad_norm(policy, cfg.grad_clip)
         opt.step()
         sched.step()
@@ -265,10 +274,10 @@ def validate(cfg: Config, world: int) -> None:
         (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO needs at least 2 samples per prompt"),
         (cfg.prompts_per_step >= world and cfg.prompts_per_step % world == 0,
          f"--prompts-per-step {cfg.prompts_per_step}: must be a positive multiple of the {world} ranks"),
-        (cfg.minibatch_size == 0 or (cfg.minibatch_size > 0 and cfg.minibatch_size % world == 0
+        (cfg.minibatch_size == 0 or (cfg.minibatch_size > 0 and cfg.minibatch_size % cfg.group_size == 0
                                      and (cfg.prompts_per_step * cfg.group_size) % cfg.minibatch_size == 0),
-         f"--minibatch-size {cfg.minibatch_size}: must divide prompts_per_step * group_size = "
-         f"{cfg.prompts_per_step * cfg.group_size} and split over {world} ranks"),
+         f"--minibatch-size {cfg.minibatch_size}: must be a multiple of --group-size {cfg.group_size} (whole "
+         f"groups) dividing prompts_per_step * group_size = {cfg.prompts_per_step * cfg.group_size}"),
         (0 < cfg.max_new_tokens < cfg.max_seq_len,
          f"--max-new-tokens {cfg.max_new_tokens}: must be positive and below --max-seq-len {cfg.max_seq_len}"),
         (cfg.lr > 0, f"--lr {cfg.lr}: must be positive"),
@@ -308,12 +317,10 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     if longest > cfg.max_seq_len - cfg.max_new_tokens:
         raise SystemExit(f"error: a prompt has {longest} tokens, more than --max-seq-len {cfg.max_seq_len} minus "
                          f"--max-new-tokens {cfg.max_new_tokens} leaves")
-    policy = M.load_model(path, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code).to(device)
-    policy = dist.shard(policy, bf16_compute=bf16, checkpointing=cfg.activation_checkpointing)
+    policy = load_trainable(path, device, bf16, cfg.activation_checkpointing, cfg.trust_remote_code)
     ref = None
     if cfg.kl_beta > 0:  # the frozen initial model, sharded like the policy, only when the KL term is on
-        ref = M.load_model(path, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code).to(device)
-        ref = dist.shard(ref.eval().requires_grad_(False), bf16_compute=bf16, checkpointing=False)
+        ref = load_trainable(path, device, bf16, False, cfg.trust_remote_code).eval().requires_grad_(False)
     if engine is not None:
         pass
     elif cfg.engine == "vllm":
@@ -377,10 +384,10 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         adv = grpo.group_advantages(rewards, cfg.leave_one_out, cfg.normalize_std)  # [P, G]
         b = make_batch(prompts, samples, adv.flatten(), cfg.overlong_filter, tok.pad_token_id)
         # 5-6. old (and reference) logprobs, then minibatch updates
-        sums, grad_norm, old_logp = update_policy(policy, ref, opt, sched, b, cfg, loss_cfg, device)
+        sums, grad_norm, old_logp = update_policy(policy, ref, opt, sched, b, cfg, loss_cfg, device, rank * per_rank)
         t3 = time.time()
         # 7. refit: the engine samples the next step from the new weights
-        engine.load_weights(dist.full_weights(policy, engine_dtype))
+        engine.load_weights(dist.full_weights(policy.lm, engine_dtype))
         t4 = time.time()
         # 8. metrics (reduced over ranks) and held-out evaluation
         mm = grpo.mismatch_metrics(b.gen_logp, old_logp, b.resp_mask)
@@ -417,11 +424,11 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
                             mpe=f"{row['token_mult_prob_error']:.3f}")
     bar.close()
 
-    state = dist.full_state_dict(policy) if cfg.save_final else None  # every rank joins the gather
+    state = dist.full_state_dict(policy.lm) if cfg.save_final else None  # every rank joins the gather
     if cfg.save_final and dist.is_main():
         final, tmp = out / "final", out / ".final.tmp"  # written aside, then renamed: never half-written
         shutil.rmtree(tmp, ignore_errors=True)
-        policy.save_pretrained(tmp, state_dict=state)
+        policy.lm.save_pretrained(tmp, state_dict=state)
         tok.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

@@ -1,0 +1,109 @@
+"""Run under torchrun by tests/test_distributed.py: one job per invocation, results written as files.
+
+  update OUT MICRO_TOKENS MINIBATCHES LR   one GRPO update on a fixed global batch; rank 0 saves the weights
+  refit  OUT                shard, change the weights, refit each rank's vLLM engine, compare logprobs
+  die    OUT                rank 1 dies after a barrier; rank 0 waits in a collective
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import data  # noqa: E402
+import distributed as dist  # noqa: E402
+import grpo  # noqa: E402
+import model as M  # noqa: E402
+import rollout  # noqa: E402
+import train  # noqa: E402
+
+
+def fixed_global_batch(tok, P=8, G=4, seed=0):
+    """The same global batch on every rank and world size: P prompts x G random responses with random rewards."""
+    g = torch.Generator().manual_seed(seed)
+    train_set, _ = data.sum3_split()
+    prompts = [tok(p.prompt)["input_ids"] for p in train_set[:P]]
+    samples = []
+    for i in range(P):
+        for _ in range(G):
+            n = int(torch.randint(1, 6, (1,), generator=g))
+            ids = torch.randint(4, 20, (n,), generator=g).tolist()
+            samples.append(rollout.Sample(i, ids, (-torch.rand(n, generator=g)).tolist(), False))
+    rewards = (torch.rand(P, G, generator=g) < 0.5).float()
+    return prompts, samples, rewards
+
+
+def perturbed(path, seed=0, scale=0.05):
+    m = M.load_model(path)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return m
+
+
+def update(out: Path, micro_tokens: int, minibatches: int, lr: float):
+    rank, world = dist.init(120)
+    path = train.tiny_base()
+    tok = M.load_tokenizer(path)
+    prompts, samples, rewards = fixed_global_batch(tok)
+    P, G = rewards.shape
+    cfg = train.Config(prompts_per_step=P, group_size=G, minibatch_size=P * G // minibatches,
+                       micro_batch_tokens=micro_tokens, lr=lr, eps_high=0.28, kl_beta=0.01)
+    share = range(rank * P // world, (rank + 1) * P // world)  # a prompt's G samples stay on one rank
+    my_samples = [rollout.Sample(i - share.start, s.token_ids, s.logprobs, s.truncated)
+                  for s in samples for i in [s.prompt_idx] if i in share]
+    adv = grpo.group_advantages(rewards[list(share)])
+    b = train.make_batch([prompts[i] for i in share], my_samples, adv.flatten(), False, tok.pad_token_id)
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    policy = train.load_trainable(path, cpu, bf16=False, checkpointing=micro_tokens < 100)
+    ref = train.load_trainable(path, cpu, bf16=False, checkpointing=False).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    loss_cfg = grpo.LossConfig(eps_high=cfg.eps_high, kl_beta=cfg.kl_beta)
+    train.update_policy(policy, ref, opt, sched, b, cfg, loss_cfg, cpu, share.start)
+    state = dist.full_state_dict(policy.lm)
+    if dist.is_main():
+        torch.save({k: v.clone() for k, v in state.items()}, out)
+    dist.close()
+
+
+def refit(out: Path):
+    rank, world = dist.init(120)
+    path = train.tiny_base()
+    tok = M.load_tokenizer(path)
+    engine = rollout.VLLMEngine(path, max_model_len=64, seed=rank, dtype="float32", external_launcher=True)
+    lm = perturbed(path)
+    policy = dist.shard(M.LogprobModel(lm), lm, bf16_compute=False, checkpointing=False)
+    t = time.time()
+    engine.load_weights(dist.full_weights(lm))
+    refit_s = time.time() - t
+    _, heldout = data.sum3_split()
+    prompts = [tok(p.prompt)["input_ids"] for p in heldout[rank * 32 : (rank + 1) * 32]]  # each rank its own
+    samples = engine.generate(prompts, n=4, max_tokens=8, seed=rank)
+    b = train.make_batch(prompts, samples, torch.zeros(len(samples)), False, tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = M.token_logprobs(policy, b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1])
+    diff = float(((lp - b.gen_logp).abs() * b.resp_mask).sum() / b.resp_mask.sum())
+    Path(f"{out}.rank{rank}").write_text(json.dumps({"rank": rank, "world": world, "diff": diff, "refit_s": refit_s}))
+    dist.close()
+
+
+def die(out: Path):
+    rank, _ = dist.init(600)  # a long timeout: the test shows torchrun, not the timeout, ends the survivor
+    torch.distributed.barrier()
+    if rank == 1:
+        os._exit(3)
+    t = torch.ones(1)
+    while True:
+        torch.distributed.all_reduce(t)
+
+
+if __name__ == "__main__":
+    job, out = sys.argv[1], Path(sys.argv[2])
+    {"update": lambda: update(out, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])), "refit": lambda: refit(out), "die": lambda: die(out)}[job]()
