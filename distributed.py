@@ -38,6 +38,10 @@ def init(timeout_s: int = 600) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def rank() -> int:
+    return dist.get_rank() if _OURS else 0
+
+
 def world_size() -> int:
     return dist.get_world_size() if _OURS else 1
 

@@ -76,7 +76,7 @@ class Config:
     out_dir: str = ""  # run folder; default runs/<date-time>
     seed: int = 0  # seeds data order, init of sampling, and torch
     threads: int = 0  # torch CPU threads; 0 = all cores
-    logprob_chunk_tokens: int = 4096  # positions per LM-head chunk when computing logprobs (memory bound)
+    logprob_chunk_tokens: int = 1024  # positions per LM-head chunk when computing logprobs (memory bound)
     save_final: bool = True  # write the final weights as an HF checkpoint to <out_dir>/final
     quiet: bool = False  # no progress bar (the JSON lines are still written)
 
@@ -172,13 +172,26 @@ def score(task: str, tok, samples: list[rollout.Sample], problems: list[data.Pro
 
 
 def evaluate(engine, tok, cfg: Config, problems: list[data.Problem], prompts: list[list[int]], seed: int) -> dict:
-    """Held-out pass@1 (mean correctness over eval_samples samples per prompt) and greedy accuracy."""
+    """Held-out pass@1 (mean correctness over eval_samples samples per prompt) and greedy accuracy; each rank
+    evaluates its share of the prompts."""
+    rank, world = dist.rank(), dist.world_size()
+    mine = slice(rank * len(prompts) // world, (rank + 1) * len(prompts) // world)
+    problems, prompts = problems[mine], prompts[mine]
     sampled = engine.generate(prompts, n=cfg.eval_samples, max_tokens=cfg.max_new_tokens,
                               temperature=cfg.temperature, seed=seed)
     greedy = engine.generate(prompts, n=1, max_tokens=cfg.max_new_tokens, temperature=0.0, seed=seed)
-    s = score(cfg.task, tok, sampled, problems)
-    g = score(cfg.task, tok, greedy, problems)
-    return {"heldout_pass1": sum(s) / len(s), "heldout_greedy": sum(g) / len(g)}
+    s, g = score(cfg.task, tok, sampled, problems), score(cfg.task, tok, greedy, problems)
+    tot = dist.all_reduce_sum(torch.tensor([sum(s), len(s), sum(g), len(g)], dtype=torch.float64)).tolist()
+    return {"heldout_pass1": tot[0] / tot[1], "heldout_greedy": tot[2] / tot[3]}
+
+
+def peak_memory_gib(device) -> float:
+    """This rank's peak memory: GPU memory allocated by torch, or the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
 
 
 def load_trainable(path: str, device, bf16: bool, checkpointing: bool, trust_remote_code: bool = False) -> M.LogprobModel:
@@ -413,6 +426,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             last_eval = evaluate(engine, tok, cfg, heldout, heldout_prompts, seed=cfg.seed + step)
             row.update(last_eval)
+        row["peak_mem_gib"] = peak_memory_gib(device)
         row["time_step"] = time.time() - t0
         row["tokens_per_s"] = tot["resp_tokens"] / row["time_step"]
         row["elapsed"] = time.time() - t_start
