@@ -34,6 +34,7 @@ class Config:
     # model and engine
     model: str = "tiny"  # HF path or hub name; "tiny" builds (once) and uses the built-in demo base model
     engine: Literal["vllm", "hf"] = "vllm"  # rollout engine: colocated vLLM, or HF generate (no vLLM needed)
+    tensor_parallel_size: int = 1  # vLLM tensor parallelism over this many consecutive ranks (one engine per group)
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute/engine dtype (weights stay float32); auto: bfloat16 on GPU, float32 on CPU
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long sequences)
@@ -174,14 +175,16 @@ def score(task: str, tok, samples: list[rollout.Sample], problems: list[data.Pro
 def evaluate(engine, tok, cfg: Config, problems: list[data.Problem], prompts: list[list[int]], seed: int) -> dict:
     """Held-out pass@1 (mean correctness over eval_samples samples per prompt) and greedy accuracy; each rank
     evaluates its share of the prompts."""
-    rank, world = dist.rank(), dist.world_size()
-    mine = slice(rank * len(prompts) // world, (rank + 1) * len(prompts) // world)
+    tp = cfg.tensor_parallel_size  # the ranks of one tensor-parallel engine evaluate the same prompts, once
+    rank, engines = dist.rank() // tp, dist.world_size() // tp
+    mine = slice(rank * len(prompts) // engines, (rank + 1) * len(prompts) // engines)
     problems, prompts = problems[mine], prompts[mine]
     sampled = engine.generate(prompts, n=cfg.eval_samples, max_tokens=cfg.max_new_tokens,
                               temperature=cfg.temperature, seed=seed)
     greedy = engine.generate(prompts, n=1, max_tokens=cfg.max_new_tokens, temperature=0.0, seed=seed)
     s, g = score(cfg.task, tok, sampled, problems), score(cfg.task, tok, greedy, problems)
-    tot = dist.all_reduce_sum(torch.tensor([sum(s), len(s), sum(g), len(g)], dtype=torch.float64)).tolist()
+    counted = float(dist.rank() % tp == 0)
+    tot = dist.all_reduce_sum(counted * torch.tensor([sum(s), len(s), sum(g), len(g)], dtype=torch.float64)).tolist()
     return {"heldout_pass1": tot[0] / tot[1], "heldout_greedy": tot[2] / tot[3]}
 
 
@@ -294,6 +297,9 @@ def validate(cfg: Config, world: int) -> None:
         (0 < cfg.max_new_tokens < cfg.max_seq_len,
          f"--max-new-tokens {cfg.max_new_tokens}: must be positive and below --max-seq-len {cfg.max_seq_len}"),
         (cfg.lr > 0, f"--lr {cfg.lr}: must be positive"),
+        (cfg.tensor_parallel_size >= 1 and world % cfg.tensor_parallel_size == 0
+         and (cfg.engine == "vllm" or cfg.tensor_parallel_size == 1),
+         f"--tensor-parallel-size {cfg.tensor_parallel_size}: must divide the {world} ranks (vLLM engine only)"),
         (cfg.steps >= 1, f"--steps {cfg.steps}: must be at least 1"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: must be positive for GRPO sampling"),
         (cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual-clip {cfg.dual_clip}: must be 0 (off) or > 1"),
@@ -337,8 +343,9 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     if engine is not None:
         pass
     elif cfg.engine == "vllm":
-        engine = rollout.VLLMEngine(path, max_model_len=cfg.max_seq_len, seed=cfg.seed + rank,
+        engine = rollout.VLLMEngine(path, max_model_len=cfg.max_seq_len, seed=cfg.seed + rank // cfg.tensor_parallel_size,
                                     dtype=str(engine_dtype).removeprefix("torch."), external_launcher=world > 1,
+                                    tensor_parallel_size=cfg.tensor_parallel_size,
                                     trust_remote_code=cfg.trust_remote_code)
     else:
         engine = rollout.HFEngine(path, dtype=engine_dtype, trust_remote_code=cfg.trust_remote_code)
@@ -346,7 +353,9 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     loss_cfg = grpo.LossConfig(cfg.eps_low, cfg.eps_high, cfg.dual_clip, cfg.kl_beta, cfg.kl_kind,
                                cfg.token_level, cfg.is_correction, cfg.is_cap)
-    per_rank, G = cfg.prompts_per_step // world, cfg.group_size
+    per_rank, G = cfg.prompts_per_step // world, cfg.group_size  # groups each rank trains on
+    tp = cfg.tensor_parallel_size
+    tp_rank, dp_rank, share = rank % tp, rank // tp, cfg.prompts_per_step // (world // tp)  # share: per engine
     stream = PromptStream(len(train_set), cfg.seed)
 
     from tqdm import tqdm
@@ -361,31 +370,33 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
 
     for step in bar:
         t0 = time.time()
-        # 1-3. prompts -> generate G responses each -> score. Each rank takes its share of the step's prompts and
-        #      a prompt's G samples stay on one rank. With dynamic sampling (DAPO), groups whose rewards are all
-        #      equal (no signal) are dropped and more prompts are drawn until every rank has its share of
+        # 1-3. prompts -> generate G responses each -> score. Each engine takes its share of the step's prompts
+        #      (the ranks of a tensor-parallel engine send it identical requests, then each keeps its part) and a
+        #      prompt's G samples stay on one rank. With dynamic sampling (DAPO), groups whose rewards are all
+        #      equal (no signal) are dropped and more prompts are drawn until every engine has its share of
         #      informative groups or the tries run out; all ranks make the same number of tries.
         kept = []  # (prompt index, its G samples, its [G] rewards)
         t_gen = t_score = 0.0
         n_groups = n_zero = tries = 0
         while True:
-            ids = stream.take(cfg.prompts_per_step)[rank * per_rank : (rank + 1) * per_rank]
+            ids = stream.take(cfg.prompts_per_step)[dp_rank * share : (dp_rank + 1) * share]
             t = time.time()
             new = engine.generate([train_prompts[i] for i in ids], n=G, max_tokens=cfg.max_new_tokens,
                                   temperature=cfg.temperature, top_p=cfg.top_p,
-                                  seed=cfg.seed * 100_003 + step * 1009 + tries * 101 + rank)
+                                  seed=cfg.seed * 100_003 + step * 1009 + tries * 101 + dp_rank)
             t_gen += time.time() - t
             t = time.time()
             r = torch.tensor(score(cfg.task, tok, new, [train_set[i] for i in ids])).view(len(ids), G)  # [P, G]
             t_score += time.time() - t
             tries, n_groups, n_zero = tries + 1, n_groups + len(ids), n_zero + int((r.std(1) == 0).sum())
             for g, i in enumerate(ids):
-                if len(kept) < per_rank and (not cfg.dynamic_sampling or r[g].std() > 0):
+                if len(kept) < share and (not cfg.dynamic_sampling or r[g].std() > 0):
                     kept.append((i, new[g * G : (g + 1) * G], r[g]))
             if not cfg.dynamic_sampling or tries >= cfg.dynamic_sampling_max_tries:
                 break
-            if dist.all_reduce_sum(torch.tensor([float(len(kept) < per_rank)])).item() == 0:
+            if dist.all_reduce_sum(torch.tensor([float(len(kept) < share)])).item() == 0:
                 break
+        kept = kept[tp_rank * per_rank : (tp_rank + 1) * per_rank]
         if not kept:  # nothing informative: one zero-advantage group keeps every rank's batch non-empty
             kept = [(ids[0], new[:G], r[0])]
         problems, prompts = [train_set[i] for i, _, _ in kept], [train_prompts[i] for i, _, _ in kept]

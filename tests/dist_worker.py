@@ -1,7 +1,8 @@
 """Run under torchrun by tests/test_distributed.py: one job per invocation, results written as files.
 
   update OUT MICRO_TOKENS MINIBATCHES LR   one GRPO update on a fixed global batch; rank 0 saves the weights
-  refit  OUT                shard, change the weights, refit each rank's vLLM engine, compare logprobs
+  refit  OUT TP             shard, change the weights, refit each rank's vLLM engine (TP-sharded when TP > 1),
+                            compare its logprobs with the trainer's
   die    OUT                rank 1 dies after a barrier; rank 0 waits in a collective
 """
 
@@ -73,19 +74,21 @@ def update(out: Path, micro_tokens: int, minibatches: int, lr: float):
     dist.close()
 
 
-def refit(out: Path):
+def refit(out: Path, tp: int):
     rank, world = dist.init(120)
     path = train.tiny_base()
     tok = M.load_tokenizer(path)
-    engine = rollout.VLLMEngine(path, max_model_len=64, seed=rank, dtype="float32", external_launcher=True)
+    engine = rollout.VLLMEngine(path, max_model_len=64, seed=rank // tp, dtype="float32", external_launcher=True,
+                                tensor_parallel_size=tp)
     lm = perturbed(path)
     policy = dist.shard(M.LogprobModel(lm), lm, bf16_compute=False, checkpointing=False)
     t = time.time()
     engine.load_weights(dist.full_weights(lm))
     refit_s = time.time() - t
     _, heldout = data.sum3_split()
-    prompts = [tok(p.prompt)["input_ids"] for p in heldout[rank * 32 : (rank + 1) * 32]]  # each rank its own
-    samples = engine.generate(prompts, n=4, max_tokens=8, seed=rank)
+    group = rank // tp  # the ranks of one tensor-parallel engine send it identical requests
+    prompts = [tok(p.prompt)["input_ids"] for p in heldout[group * 32 : (group + 1) * 32]]
+    samples = engine.generate(prompts, n=4, max_tokens=8, seed=group)
     b = train.make_batch(prompts, samples, torch.zeros(len(samples)), False, tok.pad_token_id)
     with torch.no_grad():
         lp, _ = M.token_logprobs(policy, b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1])
@@ -106,4 +109,4 @@ def die(out: Path):
 
 if __name__ == "__main__":
     job, out = sys.argv[1], Path(sys.argv[2])
-    {"update": lambda: update(out, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])), "refit": lambda: refit(out), "die": lambda: die(out)}[job]()
+    {"update": lambda: update(out, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])), "refit": lambda: refit(out, int(sys.argv[3])), "die": lambda: die(out)}[job]()

@@ -43,12 +43,26 @@ def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens
     assert moved > 0.5 * lr  # the update really changed the weights
 
 
-def test_refit_from_shards_matches_trainer_on_each_rank(tmp_path, tiny_path):
-    r = torchrun(2, "refit", tmp_path / "refit")
+@pytest.mark.parametrize("tp", [1, 2], ids=["engine-per-rank", "tensor-parallel-2"])
+def test_refit_from_shards_matches_trainer_on_each_rank(tmp_path, tiny_path, tp):
+    r = torchrun(2, "refit", tmp_path / "refit", tp)
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in (0, 1):
         res = json.loads((tmp_path / f"refit.rank{rank}").read_text())
         assert res["world"] == 2 and res["diff"] < 1e-3, res
+
+
+def test_train_under_torchrun_with_a_tensor_parallel_engine(tmp_path, tiny_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29700 + os.getpid() % 200),
+           str(HERE.parent / "train.py"), "--steps", "3", "--eval-every", "3", "--tensor-parallel-size", "2",
+           "--out-dir", str(tmp_path), "--quiet"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["token_mult_prob_error"] < 1.001 for r in rows[1:])
+    assert (tmp_path / "final" / "config.json").exists()
 
 
 def test_a_dead_rank_ends_the_run_quickly(tmp_path):
