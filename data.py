@@ -1,9 +1,15 @@
-"""Problems for training and evaluation: the synthetic demo task.
+"""Problems for training and evaluation: math datasets, their prompts, and the synthetic demo task.
 
-What it does: makes the demo's task (sum of three digits, "3+9+4=" -> "16") with a fixed split into RL-training
-and held-out prompts, and the noisy pretraining corpus from which the built-in tiny base model learns it.
+What it does:
+- load_problems: problems from a local .jsonl, .json or .parquet file, or an HF dataset name through `datasets`
+  (where there is network), with the problem and answer field names as arguments. A missing field, an empty answer
+  or an unreadable row stops the run at start with one line naming the file and the row.
+- math_prompt: DeepScaleR's prompt (the problem, then "Let's think step by step and output the final answer within
+  \\boxed{}."), through the tokenizer's chat template when it has one, or through a template file of the user's.
+- the demo's synthetic task (sum of three digits, "3+9+4=" -> "16") with a fixed split into RL-training and
+  held-out prompts, and the noisy pretraining corpus from which the built-in tiny base model learns it.
 
-What it does not do: tokenize (train.py does, with the model's tokenizer) or score (reward.py does).
+What it does not do: score (reward.py does) or decide which prompts are too long (train.py does, and reports it).
 
 Why this task: from random initialization GRPO can barely learn arithmetic on a 2-layer model, and real RL starts
 from a pretrained base that already "knows" the answer with some probability. So the tiny base is pretrained on
@@ -13,8 +19,12 @@ RL on a real reasoning model. The held-out prompts appear neither in the pretrai
 so held-out accuracy measures a learned skill, not memorized answers.
 """
 
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
+
+INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
 
 @dataclass(frozen=True)
@@ -45,3 +55,82 @@ def noisy_corpus(problems: list[Problem], n: int, noise: float, seed: int = 0) -
         answer = p.answer if rng.random() >= noise else str(a + b)
         lines.append(p.prompt + answer)
     return lines
+
+
+class DataError(SystemExit):
+    """Bad input data: one line that names the file and the row (exit status 2 when uncaught)."""
+
+    def __init__(self, msg: str):
+        super().__init__(f"error: {msg}")
+        self.code = 2
+
+
+def _rows(path: str):
+    """(row number, dict) from a local file, or from an HF dataset ("name" or "name:split")."""
+    p = Path(path)
+    if p.suffix and not p.exists():
+        raise DataError(f"{path}: no such file")
+    if p.suffix == ".jsonl":
+        with open(p) as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield i, json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{path}: row {i}: not valid JSON ({e.msg})")
+    elif p.suffix == ".json":
+        try:
+            rows = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})")
+        if not isinstance(rows, list):
+            raise DataError(f"{path}: expected a JSON list of objects")
+        yield from enumerate(rows, 1)
+    elif p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from enumerate(pq.read_table(p).to_pylist(), 1)
+    elif p.exists() or p.suffix:
+        raise DataError(f"{path}: unknown file type (use .jsonl, .json or .parquet)")
+    else:
+        try:
+            import datasets  # an HF dataset name; needs network
+        except ImportError:
+            raise DataError(f"{path}: not a file, and the 'datasets' package for HF dataset names is not installed")
+        name, _, split = path.partition(":")
+        yield from enumerate(datasets.load_dataset(name, split=split or "train"), 1)
+
+
+def load_problems(path: str, problem_field: str = "problem", answer_field: str = "answer") -> list[Problem]:
+    problems = []
+    for i, row in _rows(path):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}: row {i}: expected an object with fields {problem_field!r} and {answer_field!r}")
+        for field in (problem_field, answer_field):
+            if field not in row:
+                raise DataError(f"{path}: row {i}: missing field {field!r} (fields: {', '.join(map(str, row))})")
+            if row[field] is None or not str(row[field]).strip():
+                raise DataError(f"{path}: row {i}: empty {field!r}")
+        problems.append(Problem(str(row[problem_field]), str(row[answer_field]).strip()))
+    if not problems:
+        raise DataError(f"{path}: no problems")
+    return problems
+
+
+def split_problems(problems: list[Problem], val_fraction: float, seed: int = 0) -> tuple[list[Problem], list[Problem]]:
+    """(train, validation): a seeded shuffle, then the last val_fraction of it held out."""
+    order = list(range(len(problems)))
+    random.Random(seed).shuffle(order)
+    n_val = int(round(len(problems) * val_fraction))
+    return [problems[i] for i in order[n_val:]], [problems[i] for i in order[:n_val]]
+
+
+def math_prompt(tok, problem: str, template: str | None = None) -> list[int]:
+    """Token ids of DeepScaleR's prompt; `template` (text with {problem}) replaces instruction and chat template."""
+    if template is not None:
+        return tok(template.format(problem=problem))["input_ids"]
+    text = f"{problem} {INSTRUCTION}"
+    if tok.chat_template:
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)
+    return tok(text)["input_ids"]

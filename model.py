@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 TINY = "tiny"  # the --model value that names the built-in base model
-TINY_VERSION = 2  # bump when the recipe below changes, so stale caches are rebuilt
+TINY_VERSION = 4  # bump when the recipe below changes, so stale caches are rebuilt
 DEFAULT_CACHE = Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-minimal"))
 
 
@@ -48,15 +48,21 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, trust_remote_code:
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level fast tokenizer over printable ASCII: one token per character, BOS prepended."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    """A character-level byte-level-BPE tokenizer over printable ASCII: one token per character, BOS prepended.
+
+    It has the shape of Qwen2's tokenizer (byte-level alphabet, so a space is "Ġ"; no merges), because
+    transformers loads any checkpoint whose model_type is qwen2 through Qwen2Tokenizer, which installs Qwen2's
+    pre-tokenizer and byte-level decoder: a tokenizer of another shape would encode or decode differently once
+    saved and loaded again (in the trainer and in vLLM alike).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    chars = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
+    chars = ["Ġ" if c == " " else c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
     vocab = {t: i for i, t in enumerate(specials + chars)}
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
     tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
     return PreTrainedTokenizerFast(
         tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
@@ -71,7 +77,7 @@ def tiny_config(vocab_size: int) -> Qwen2Config:
         num_hidden_layers=2,
         num_attention_heads=2,  # head_dim = 64
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=512,  # room for math-style prompts in tests
         tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,

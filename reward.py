@@ -17,6 +17,9 @@ import re
 MAX_RESPONSE_CHARS = 20_000  # only the tail can hold the final answer; bounding it bounds the regex work
 MAX_ANSWER_CHARS = 500  # a boxed "answer" longer than this is not an answer
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*")
+# Answers whose value sympy would spend seconds or forever computing: power towers (a^{b^c}, a^b^c), factorials
+# of big numbers, exponents of 7+ digits, and numbers with hundreds of digits. No competition answer looks like this; they score 0.
+_EXPLOSIVE = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\w+\s*\^|\^\s*\{?\s*\d{7,}|\d{3,}\s*!|!\s*!|\d{300,}")
 
 
 def exact_reward(response: str, gold: str) -> float:
@@ -51,7 +54,7 @@ def math_reward(response: str, gold: str, timeout_s: int = 1) -> float:
         from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
         answer = last_boxed(response)
-        if not answer:
+        if not answer or _EXPLOSIVE.search(answer):
             return 0.0
         latex_only = [LatexExtractionConfig(boxed_match_priority=0)]
         pred = parse(f"\\boxed{{{answer}}}", extraction_config=latex_only, parsing_timeout=timeout_s)

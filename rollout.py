@@ -57,6 +57,7 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-refit INFO lines would drown the progress bar
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
+            dtype = "float32" if dtype == "auto" else dtype  # vLLM's auto would run float32 weights in bfloat16
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads

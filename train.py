@@ -14,6 +14,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -40,7 +41,15 @@ class Config:
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long sequences)
     dist_timeout_s: int = 600  # a collective waiting longer than this fails the run instead of hanging
     # the task
-    task: Literal["sum3"] = "sum3"  # sum3: the synthetic demo task of data.py
+    task: Literal["sum3", "math"] = "sum3"  # sum3: the synthetic demo task; math: problems from --data, boxed answers
+    data: str = ""  # math: training problems (.jsonl, .json, .parquet, or an HF dataset name[:split])
+    val_data: str = ""  # math: held-out problems; default: --val-fraction of --data
+    val_fraction: float = 0.0  # math: fraction of --data held out for validation when --val-data is not given
+    problem_field: str = "problem"  # field of the problem text (DeepScaleR-Preview: problem)
+    answer_field: str = "answer"  # field of the gold answer (DeepScaleR-Preview: answer)
+    prompt_template: str = ""  # a text file with {problem}, used instead of the chat template + instruction
+    stage: Literal[0, 1, 2, 3] = 0  # DeepScaleR preset (1: 8K, 2: 16K, 3: 24K); any flag overrides its field
+    init_from: str = ""  # start from this HF checkpoint folder (e.g. the previous stage's <out_dir>/final)
     # batch shape
     steps: int = 200  # GRPO steps (one rollout batch each)
     prompts_per_step: int = 32  # P: prompts per step, over all ranks
@@ -167,6 +176,30 @@ def rows_of(b: Batch, rows: list[int]) -> dict:
                 advantages=b.advantages[idx], loss_mask=b.loss_mask[idx, :T])
 
 
+def load_task(cfg: Config) -> tuple[list[data.Problem], list[data.Problem]]:
+    """(training problems, held-out problems) of the configured task."""
+    if cfg.task == "sum3":
+        return data.sum3_split()
+    problems = data.load_problems(cfg.data, cfg.problem_field, cfg.answer_field)
+    if cfg.val_data:
+        return problems, data.load_problems(cfg.val_data, cfg.problem_field, cfg.answer_field)
+    return data.split_problems(problems, cfg.val_fraction, cfg.seed)
+
+
+def encode_prompts(cfg: Config, tok, problems: list[data.Problem], template: str | None, what: str):
+    """Prompt token ids; prompts longer than max_seq_len - max_new_tokens are dropped, counted and reported."""
+    limit = cfg.max_seq_len - cfg.max_new_tokens
+    ids = [tok(p.prompt)["input_ids"] if cfg.task == "sum3" else data.math_prompt(tok, p.prompt, template)
+           for p in problems]
+    keep = [i for i, p in enumerate(ids) if len(p) <= limit]
+    if len(keep) < len(ids):
+        dist.print0(f"dropped {len(ids) - len(keep)} of {len(ids)} {what} prompts longer than {limit} tokens "
+                    f"(--max-seq-len {cfg.max_seq_len} - --max-new-tokens {cfg.max_new_tokens})")
+    if not keep and problems:
+        raise SystemExit(f"error: every {what} prompt is longer than {limit} tokens; raise --max-seq-len")
+    return [problems[i] for i in keep], [ids[i] for i in keep]
+
+
 def score(task: str, tok, samples: list[rollout.Sample], problems: list[data.Problem]) -> list[float]:
     fn = reward.exact_reward if task == "sum3" else reward.math_reward
     return [fn(tok.decode(s.token_ids, skip_special_tokens=True), problems[s.prompt_idx].answer) for s in samples]
@@ -185,7 +218,7 @@ def evaluate(engine, tok, cfg: Config, problems: list[data.Problem], prompts: li
     s, g = score(cfg.task, tok, sampled, problems), score(cfg.task, tok, greedy, problems)
     counted = float(dist.rank() % tp == 0)
     tot = dist.all_reduce_sum(counted * torch.tensor([sum(s), len(s), sum(g), len(g)], dtype=torch.float64)).tolist()
-    return {"heldout_pass1": tot[0] / tot[1], "heldout_greedy": tot[2] / tot[3]}
+    return {"heldout_pass1": tot[0] / tot[1], "heldout_greedy": tot[2] / tot[3]} if tot[1] else {}
 
 
 def peak_memory_gib(device) -> float:
@@ -305,6 +338,12 @@ def validate(cfg: Config, world: int) -> None:
         (cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual-clip {cfg.dual_clip}: must be 0 (off) or > 1"),
         (cfg.model == M.TINY or os.path.isdir(cfg.model) or cfg.model.count("/") == 1,
          f"--model {cfg.model}: no such folder, and not a hub name like org/name"),
+        (not cfg.init_from or os.path.isfile(os.path.join(cfg.init_from, "config.json")),
+         f"--init-from {cfg.init_from}: not an HF checkpoint folder (no config.json)"),
+        (cfg.task != "math" or bool(cfg.data), "--data: the math task needs a problem file or dataset name"),
+        (0.0 <= cfg.val_fraction < 1.0, f"--val-fraction {cfg.val_fraction}: must be in [0, 1)"),
+        (not cfg.prompt_template or os.path.isfile(cfg.prompt_template),
+         f"--prompt-template {cfg.prompt_template}: no such file"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -326,16 +365,12 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
 
-    train_set, heldout = data.sum3_split()
-    path = tiny_base() if cfg.model == M.TINY else cfg.model
+    train_set, heldout = load_task(cfg)  # bad data stops the run here, before any model is loaded
+    path = cfg.init_from or (tiny_base() if cfg.model == M.TINY else cfg.model)
     tok = M.load_tokenizer(path, cfg.trust_remote_code)
-    encode = lambda ps: [tok(p.prompt)["input_ids"] for p in ps]
-    train_prompts, heldout = encode(train_set), heldout[: cfg.eval_prompts]
-    heldout_prompts = encode(heldout)
-    longest = max(len(p) for p in train_prompts + heldout_prompts)
-    if longest > cfg.max_seq_len - cfg.max_new_tokens:
-        raise SystemExit(f"error: a prompt has {longest} tokens, more than --max-seq-len {cfg.max_seq_len} minus "
-                         f"--max-new-tokens {cfg.max_new_tokens} leaves")
+    template = Path(cfg.prompt_template).read_text() if cfg.prompt_template else None
+    train_set, train_prompts = encode_prompts(cfg, tok, train_set, template, "training")
+    heldout, heldout_prompts = encode_prompts(cfg, tok, heldout[: cfg.eval_prompts], template, "held-out")
     policy = load_trainable(path, device, bf16, cfg.activation_checkpointing, cfg.trust_remote_code)
     ref = None
     if cfg.kl_beta > 0:  # the frozen initial model, sharded like the policy, only when the KL term is on
@@ -464,7 +499,32 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     return dict(history=history, out_dir=str(out))
 
 
-if __name__ == "__main__":
+# DeepScaleR's three stages as NeMo-RL ran them on 8 GPUs (DESIGN.md). Each stage starts from the previous
+# one's final checkpoint (--init-from). Responses get what the prompt (at most 1024 tokens) leaves.
+_DEEPSCALER = dict(task="math", prompts_per_step=128, group_size=8, minibatch_size=64, weight_decay=0.01,
+                   warmup_steps=50, grad_clip=1.0, temperature=1.0, eps_low=0.2, activation_checkpointing=True,
+                   eval_every=10, eval_samples=16)
+STAGES = {
+    1: dict(_DEEPSCALER, max_seq_len=8192, max_new_tokens=8192 - 1024, lr=2e-6, kl_beta=0.0, eps_high=0.2, steps=240),
+    2: dict(_DEEPSCALER, max_seq_len=16384, max_new_tokens=16384 - 1024, lr=2e-6, kl_beta=1e-3, eps_high=0.28, steps=290),
+    3: dict(_DEEPSCALER, max_seq_len=24576, max_new_tokens=24576 - 1024, lr=5e-7, kl_beta=1e-4, eps_high=0.28, steps=50),
+}
+
+
+def parse_args(argv: list[str]) -> Config:
+    """The command line: `--stage N` sets the preset's values as defaults, and every other flag overrides them."""
     import tyro
 
-    train(tyro.cli(Config))
+    stage = 0
+    for i, a in enumerate(argv):
+        value = a.split("=", 1)[1] if a.startswith("--stage=") else argv[i + 1] if a == "--stage" and i + 1 < len(argv) else None
+        if value is not None:
+            if value not in ("0", "1", "2", "3"):
+                raise SystemExit(f"error: --stage {value}: unknown stage (use 1, 2 or 3)")
+            stage = int(value)
+    default = Config(stage=stage, **STAGES[stage]) if stage else Config()
+    return tyro.cli(Config, default=default, args=argv)
+
+
+if __name__ == "__main__":
+    train(parse_args(sys.argv[1:]))

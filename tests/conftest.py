@@ -35,7 +35,7 @@ def tok(tiny_path):
 def _vllm(tiny_path):
     import rollout
 
-    return rollout.VLLMEngine(tiny_path, max_model_len=64, seed=0, dtype="float32")
+    return rollout.VLLMEngine(tiny_path, max_model_len=256, seed=0, dtype="float32")
 
 
 @pytest.fixture

@@ -73,3 +73,11 @@ def test_chunked_gradient_matches_float64_reference(tiny_path, tok):
     want_lp.sum().backward()
     want = torch.cat([p.grad.flatten() for p in m_ref.parameters()])
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)  # RoPE tables stay float32 in HF
+
+
+def test_tiny_tokenizer_survives_save_and_load(tiny_path, tok):
+    """Loaded from disk (as the trainer and vLLM load it) it encodes and decodes exactly like the one built."""
+    built = model.tiny_tokenizer()
+    for text in ["3+4+5=12", "What is 2+3? Let's think step by step, within \\boxed{}.", "a  b", "x^{2}"]:
+        assert tok(text)["input_ids"] == built(text)["input_ids"]
+        assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text

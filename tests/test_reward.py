@@ -1,4 +1,5 @@
-"""reward.py: right answers score 1, wrong, garbage, empty and huge inputs score 0, quickly and without raising."""
+"""reward.py over a table of written cases: equal values in many forms score 1, wrong or malformed ones 0, and
+hostile inputs finish fast without raising."""
 
 import time
 
@@ -6,49 +7,123 @@ import pytest
 
 import reward
 
-MATH_CASES = [
-    ("The answer is \\boxed{42}.", "42", 1.0),
-    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    ("\\boxed{\\dfrac{3}{4}}", "\\frac34", 1.0),
-    ("first \\boxed{4}, finally \\boxed{5}", "5", 1.0),
-    ("first \\boxed{5}, finally \\boxed{4}", "5", 0.0),
-    ("<think>maybe \\boxed{9}</think> so \\boxed{8}", "8", 1.0),
-    ("<think>\\boxed{8}</think> no box after", "8", 0.0),
-    ("\\boxed 7", "7", 1.0),
-    ("\\fbox{7}", "7", 1.0),
-    ("\\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}", 1.0),
-    ("\\boxed{x^{2}}", "x^2", 1.0),
-    ("the answer is 42", "42", 0.0),  # no box
-    ("\\boxed{}", "0", 0.0),
-    ("\\boxed{4", "4", 0.0),  # unbalanced
-    ("\\boxed{43}", "42", 0.0),
+B = lambda s: f"Some reasoning first. So the final answer is $\\boxed{{{s}}}$."  # noqa: E731
+
+EQUAL = [  # (response, gold): the same value written differently
+    (B("42"), "42"),
+    (B("042"), "42"),
+    (B("42.0"), "42"),
+    (B("\\frac{1}{2}"), "0.5"),
+    (B("\\dfrac{1}{2}"), "\\frac{1}{2}"),
+    (B("\\tfrac{3}{4}"), "\\frac34"),
+    (B("1/2"), "\\frac{1}{2}"),
+    (B("0.5"), "\\frac{1}{2}"),
+    (B("\\frac{6}{8}"), "\\frac{3}{4}"),
+    (B("-\\frac{1}{3}"), "\\frac{-1}{3}"),
+    (B("\\sqrt{2}/2"), "\\frac{\\sqrt{2}}{2}"),
+    (B("\\frac{1}{\\sqrt{2}}"), "\\frac{\\sqrt{2}}{2}"),
+    (B("2\\sqrt{3}"), "\\sqrt{12}"),
+    (B("\\sqrt[3]{8}"), "2"),
+    (B("2\\pi"), "2\\pi"),
+    (B("\\pi \\cdot 2"), "2\\pi"),
+    (B("\\frac{\\pi}{2}"), "\\frac{\\pi}{2}"),
+    (B("x^{2}"), "x^2"),
+    (B("2x+1"), "1+2x"),
+    (B("(x+1)^2"), "(x+1)^{2}"),
+    (B("\\{1, 2, 3\\}"), "\\{3, 2, 1\\}"),
+    (B("[0, 1)"), "[0,1)"),
+    (B("(-\\infty, 2]"), "(-\\infty,2]"),
+    (B("(1, 2)"), "(1,2)"),
+    (B("(3, -4)"), "(3,-4)"),
+    (B("1,000"), "1000"),
+    (B("1{,}000{,}000"), "1000000"),
+    (B("45^\\circ"), "45"),
+    (B("45^{\\circ}"), "45^\\circ"),
+    (B("10\\%"), "10"),
+    (B("\\text{(B)}"), "B"),
+    (B("x = 5"), "5"),
+    (B("3"), "3"),
+    ("<think>hmm \\boxed{7}</think> The answer is \\boxed{8}.", "8"),
+    ("so \\boxed 7", "7"),
+    ("\\fbox{12}", "12"),
+    ("First \\boxed{4}, then corrected: \\boxed{5}", "5"),
+    (B("\\boxed{9}"), "9"),  # nested box
+    (B("1.5"), "\\frac{3}{2}"),
+    (B("e^{0}"), "1"),
 ]
 
+WRONG = [  # (response, gold): wrong, missing, empty, malformed
+    (B("43"), "42"),
+    (B("\\frac{1}{3}"), "0.5"),
+    (B("\\sqrt{3}"), "\\sqrt{2}"),
+    (B("\\{1, 2\\}"), "\\{1, 2, 3\\}"),
+    (B("[0, 1]"), "[0,1)"),
+    (B("(3, 4)"), "(3,-4)"),
+    (B("2x"), "2x+1"),
+    (B("\\pi"), "2\\pi"),
+    (B("-42"), "42"),
+    ("The answer is 42.", "42"),  # no box: the answer only in the reasoning
+    ("I computed 42 = 6*7 and then \\boxed{41}", "42"),
+    ("\\boxed{}", "0"),
+    ("\\boxed{ }", "0"),
+    ("\\boxed{42", "42"),  # unbalanced
+    ("\\boxed{{42}", "42"),
+    ("", "42"),
+    ("<think>\\boxed{42}</think> no box after thinking", "42"),
+    (B("\\text{banana}"), "42"),
+    (B("42 \\text{ or } 43"), "43"),
+    (B("4 2"), "42"),
+]
 
-@pytest.mark.parametrize("response,gold,want", MATH_CASES)
-def test_math_reward(response, gold, want):
-    assert reward.math_reward(response, gold) == want
-
-
-GARBAGE = [
-    "",
-    "}}}}{{{{",
+HOSTILE = [
+    B("10^{10^{10^{10}}}"),
+    B("9^9^9"),
+    B("1000000!"),
+    B("99999999999^99999999999"),
+    B("(2^{2^{2^{2^{2}}}})"),
+    B("\\frac{" * 300 + "1" + "}{2}" * 300),
+    B("\\sqrt{" * 500 + "2" + "}" * 500),
+    B("1" * 100_000),
     "\\boxed{" * 10_000,
-    "\\boxed{" + "{" * 50_000 + "}" * 50_000 + "}",
     "x" * 1_000_000,
-    "\\boxed{" + "1" * 1_000_000 + "}",
-    "\\boxed{__import__('os').system('touch /tmp/pwned')}",
-    "\\boxed{\x00\xff\ud800}",
-    "\\boxed{\\frac{1}{0}}",
+    "\\boxed{" + "{" * 50_000 + "}" * 50_000 + "}",
+    "a" * 1_000_000 + B("42"),
+    B("__import__('os').system('touch /tmp/pwned')"),
+    B("\\x00\\xff"),
+    "\x00\ud800\uffff",
+    B("\\frac{1}{0}"),
+    B("\\infty - \\infty"),
 ]
 
 
-@pytest.mark.parametrize("response", GARBAGE, ids=range(len(GARBAGE)))
-def test_garbage_scores_zero_fast(response):
+@pytest.mark.parametrize("response,gold", EQUAL, ids=range(len(EQUAL)))
+def test_equal_values_score_one(response, gold):
+    assert reward.math_reward(response, gold) == 1.0
+
+
+@pytest.mark.parametrize("response,gold", WRONG, ids=range(len(WRONG)))
+def test_wrong_or_malformed_answers_score_zero(response, gold):
+    assert reward.math_reward(response, gold) == 0.0
+
+
+@pytest.mark.parametrize("response", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_inputs_score_zero_within_a_second(response):
     t = time.time()
     assert reward.math_reward(response, "1") == 0.0
     assert reward.exact_reward(response, "1") == 0.0
-    assert time.time() - t < 2.0
+    assert time.time() - t < 1.0
+
+
+def test_the_table_is_at_least_sixty_cases():
+    assert len(EQUAL) + len(WRONG) + len(HOSTILE) >= 60
+
+
+def test_model_output_is_never_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    for s in [f"__import__('pathlib').Path('{marker}').touch()", f"exec(\"open('{marker}','w')\")"]:
+        reward.math_reward(B(s), "1")
+        reward.math_reward(s, "1")
+    assert not marker.exists()
 
 
 def test_exact_reward():

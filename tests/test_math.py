@@ -1,0 +1,117 @@
+"""The math path on CPU: problem files and their errors, DeepScaleR prompts and stage presets, a GRPO run from a
+.jsonl of math problems, and eval_aime.py's figures recounted from its own JSONL."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import data
+import eval_aime
+import train
+
+FIX = Path(__file__).resolve().parent / "fixtures"
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("name,text,needle", [
+    ("missing.jsonl", '{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n', "row 2: missing field 'answer'"),
+    ("empty.jsonl", '{"problem": "1+1", "answer": "2"}\n\n{"problem": "x", "answer": "  "}\n', "row 3: empty 'answer'"),
+    ("broken.jsonl", '{"problem": "1+1", "answer": "2"}\n{"problem": \n', "row 2: not valid JSON"),
+    ("notobj.jsonl", '{"problem": "1+1", "answer": "2"}\n[1, 2]\n', "row 2: expected an object"),
+    ("list.json", '{"problem": "1+1"}', "expected a JSON list"),
+    ("rows.json", '[{"problem": "a", "answer": "1"}, {"question": "b", "answer": "2"}]', "row 2: missing field 'problem'"),
+    ("none.jsonl", "\n\n", "no problems"),
+    ("data.csv", "problem,answer\n", "unknown file type"),
+])
+def test_bad_problem_files_name_file_and_row(tmp_path, name, text, needle):
+    path = write(tmp_path / name, text)
+    with pytest.raises(SystemExit) as e:
+        data.load_problems(path)
+    msg = str(e.value)
+    assert needle in msg and path in msg and "\n" not in msg and e.value.code == 2
+
+
+def test_problem_files_in_every_format_and_field_names(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"question": "What is 1+1?", "final": 2}, {"question": "What is 2+2?", "final": "4"}]
+    write(tmp_path / "p.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    write(tmp_path / "p.json", json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist([{k: str(v) for k, v in r.items()} for r in rows]), tmp_path / "p.parquet")
+    for ext in ("jsonl", "json", "parquet"):
+        got = data.load_problems(str(tmp_path / f"p.{ext}"), "question", "final")
+        assert got == [data.Problem("What is 1+1?", "2"), data.Problem("What is 2+2?", "4")]
+    with pytest.raises(SystemExit, match="no such file"):
+        data.load_problems(str(tmp_path / "absent.jsonl"))
+
+
+def test_deepscaler_prompt_with_and_without_chat_template(tok):
+    ids = data.math_prompt(tok, "What is 2+3?")
+    assert tok.decode(ids, skip_special_tokens=True) == "What is 2+3? " + data.INSTRUCTION
+    ids = data.math_prompt(tok, "What is 2+3?", template="Q: {problem} A:")
+    assert tok.decode(ids, skip_special_tokens=True) == "Q: What is 2+3? A:"
+    tok.chat_template = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|assistant|>"
+    try:
+        text = tok.decode(data.math_prompt(tok, "What is 2+3?"))
+    finally:
+        tok.chat_template = None
+    assert text.startswith("<|user|>What is 2+3? Let's think step by step") and text.endswith("<|assistant|>")
+
+
+def test_stage_presets_match_design_and_flags_override():
+    want = {1: (8192, 2e-6, 0.0, 0.2, 240), 2: (16384, 2e-6, 1e-3, 0.28, 290), 3: (24576, 5e-7, 1e-4, 0.28, 50)}
+    for stage, (seq, lr, beta, eps_high, steps) in want.items():
+        c = train.parse_args(["--stage", str(stage), "--data", "x.jsonl"])
+        assert (c.max_seq_len, c.lr, c.kl_beta, c.eps_high, c.steps) == (seq, lr, beta, eps_high, steps)
+        assert (c.prompts_per_step, c.group_size, c.minibatch_size, c.eps_low, c.temperature) == (128, 8, 64, 0.2, 1.0)
+        assert (c.weight_decay, c.warmup_steps, c.grad_clip, c.task, c.stage) == (0.01, 50, 1.0, "math", stage)
+    c = train.parse_args(["--stage=2", "--lr", "1e-6", "--kl-beta", "0", "--max-seq-len", "12000"])
+    assert (c.lr, c.kl_beta, c.max_seq_len, c.eps_high) == (1e-6, 0.0, 12000, 0.28)
+    assert train.parse_args([]) == train.Config()
+    with pytest.raises(SystemExit, match="--stage 4: unknown stage"):
+        train.parse_args(["--stage", "4"])
+
+
+def test_long_prompts_are_dropped_and_reported(tok, capsys):
+    problems = data.load_problems(str(FIX / "math_tiny.jsonl"))
+    cfg = train.Config(task="math", data="x", max_seq_len=110, max_new_tokens=20)
+    kept, ids = train.encode_prompts(cfg, tok, problems, None, "training")
+    assert all(len(p) <= 90 for p in ids) and len(kept) == len(ids)
+    dropped = len(problems) - len(kept)
+    assert 0 < dropped < len(problems)
+    assert f"dropped {dropped} of {len(problems)} training prompts longer than 90 tokens" in capsys.readouterr().out
+
+
+def test_grpo_run_from_a_math_jsonl(vllm_engine, tmp_path):
+    cfg = train.Config(task="math", data=str(FIX / "math_tiny.jsonl"), val_fraction=0.2, max_seq_len=256,
+                       max_new_tokens=24, steps=2, prompts_per_step=8, group_size=4, eval_every=2, eval_samples=2,
+                       out_dir=str(tmp_path), quiet=True, save_final=False)
+    rows = train.train(cfg, engine=vllm_engine)["history"]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "heldout_pass1" in rows[0] and "heldout_pass1" in rows[2]
+    assert rows[1]["response_len_mean"] > 0 and rows[1]["token_mult_prob_error"] < 1.001
+
+
+def test_eval_aime_writes_samples_and_a_table_whose_pass1_recounts(vllm_engine, tmp_path, tiny_path, capsys):
+    out = tmp_path / "samples.jsonl"
+    cfg = eval_aime.EvalConfig(model=tiny_path, data=str(FIX / "sum3_eval.jsonl"), out=str(out), reward="exact",
+                               prompt_template=str(FIX / "plain_template.txt"), k=4, temperature=1.0, top_p=1.0,
+                               max_tokens=8)
+    summary = eval_aime.main(cfg, engine=vllm_engine)
+    rows = [json.loads(line) for line in open(out)]
+    assert len(rows) == 24 * 4
+    per_problem = {}
+    for r in rows:  # recount independently from the JSONL
+        per_problem.setdefault(r["problem_idx"], []).append(r["reward"])
+    recount = sum(sum(v) / len(v) for v in per_problem.values()) / len(per_problem)
+    assert summary["pass@1"] == pytest.approx(recount) and 0 < recount < 1
+    assert summary["pass@4"] >= summary["pass@1"]
+    printed = capsys.readouterr().out
+    assert f"pass@1 {recount:.4f}" in printed and "problem    0" in printed
+    assert json.loads(out.with_suffix(".summary.json").read_text())["pass@1"] == pytest.approx(recount)
