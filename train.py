@@ -375,14 +375,12 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     ref = None
     if cfg.kl_beta > 0:  # the frozen initial model, sharded like the policy, only when the KL term is on
         ref = load_trainable(path, device, bf16, False, cfg.trust_remote_code).eval().requires_grad_(False)
-    if engine is not None:
-        pass
-    elif cfg.engine == "vllm":
+    if engine is None and cfg.engine == "vllm":
         engine = rollout.VLLMEngine(path, max_model_len=cfg.max_seq_len, seed=cfg.seed + rank // cfg.tensor_parallel_size,
                                     dtype=str(engine_dtype).removeprefix("torch."), external_launcher=world > 1,
                                     tensor_parallel_size=cfg.tensor_parallel_size,
                                     trust_remote_code=cfg.trust_remote_code)
-    else:
+    elif engine is None:
         engine = rollout.HFEngine(path, dtype=engine_dtype, trust_remote_code=cfg.trust_remote_code)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
