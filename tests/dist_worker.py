@@ -21,6 +21,7 @@ import grpo  # noqa: E402
 import model as M  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
+from test_rollout import perturbed  # noqa: E402
 
 
 def fixed_global_batch(tok, P=8, G=4, seed=0):
@@ -36,15 +37,6 @@ def fixed_global_batch(tok, P=8, G=4, seed=0):
             samples.append(rollout.Sample(i, ids, (-torch.rand(n, generator=g)).tolist(), False))
     rewards = (torch.rand(P, G, generator=g) < 0.5).float()
     return prompts, samples, rewards
-
-
-def perturbed(path, seed=0, scale=0.05):
-    m = M.load_model(path)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return m
 
 
 def update(out: Path, micro_tokens: int, minibatches: int, lr: float):
@@ -80,7 +72,7 @@ def refit(out: Path, tp: int):
     tok = M.load_tokenizer(path)
     engine = rollout.VLLMEngine(path, max_model_len=64, seed=rank // tp, dtype="float32", external_launcher=True,
                                 tensor_parallel_size=tp)
-    lm = perturbed(path)
+    lm = perturbed(path, seed=0)
     policy = dist.shard(M.LogprobModel(lm), lm, bf16_compute=False, checkpointing=False)
     t = time.time()
     engine.load_weights(dist.full_weights(lm))
