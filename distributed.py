@@ -7,8 +7,8 @@ What it does:
   bfloat16 on GPU (gradients reduced in float32). Every rank's loss is already divided by the global token count
   (grpo.py), so the global-batch gradient is the *sum* over ranks (see loss_scale), at any world size.
   Optional activation checkpointing (HF's, which keeps parameter names unchanged).
-- full_weights: the model's full tensors one at a time, gathered from the shards as they are consumed, so the
-  refit never holds a second full copy of the model beside vLLM's (the bound is the largest single tensor).
+- full_weights: the model's full tensors, gathered from the shards in buckets bounded in bytes as they are
+  consumed, so the refit never holds a second full copy of the model beside vLLM's.
 - reductions (sum, max, grad-norm clipping) that are no-ops in a single process, and rank-0 printing.
 
 What it does not do: decide what to shard beyond "each decoder layer", or write checkpoints.
@@ -95,18 +95,27 @@ def loss_scale() -> float:
     return float(world_size())
 
 
-def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every parameter, gathered from the FSDP shards one tensor at a time.
+def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None,
+                 bucket_bytes: int = 256 * 2**20) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every parameter, gathered from the FSDP shards in buckets of at most
+    `bucket_bytes` (or one tensor, if a single tensor is larger): the refit never holds more than one bucket of
+    full tensors beside the engine's weights, never a second full copy of the model.
 
-    Every rank must consume the iterator completely and in the same order (each step is a collective).
+    Every rank must consume the iterator completely and in the same order (each gather is a collective).
     """
     from torch.distributed.tensor import DTensor
 
+    bucket, size = [], 0
     for name, p in model.named_parameters():
+        nbytes = p.numel() * (p.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size())
+        if bucket and size + nbytes > bucket_bytes:
+            yield from bucket
+            bucket, size = [], 0
         t = p.detach()
-        if isinstance(t, DTensor):
-            t = t.full_tensor()
-        yield name, t if dtype is None else t.to(dtype)
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        bucket.append((name, t if dtype is None else t.to(dtype)))
+        size += nbytes
+    yield from bucket
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -81,3 +81,12 @@ def test_hf_and_vllm_agree_on_greedy_outputs(vllm_engine, tiny_path, tok):
     for x, y in zip(a, b):
         if x.token_ids == y.token_ids:
             assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+
+
+def test_full_weights_streams_every_tensor_once_in_bounded_buckets(tiny_path):
+    m = model.load_model(tiny_path)
+    want = dict(m.named_parameters())
+    for bucket_bytes in (1, 300_000, 10**9):
+        got = list(distributed.full_weights(m, bucket_bytes=bucket_bytes))
+        assert [n for n, _ in got] == list(want)
+        assert all(torch.equal(t, want[n]) for n, t in got)
