@@ -11,11 +11,19 @@ What it does:
   consumed, so the refit never holds a second full copy of the model beside vLLM's.
 - reductions (sum, max, grad-norm clipping) that are no-ops in a single process, and rank-0 printing.
 
-What it does not do: decide what to shard beyond "each decoder layer", or write checkpoints.
+- checkpoints: save_checkpoint / load_checkpoint with torch.distributed.checkpoint (each rank writes its shards of
+  the model and the optimizer; one small file per rank holds what must come back exactly: RNG states, the data
+  order), written to a temporary folder and renamed into place only when complete; latest_checkpoint never sees a
+  half-written one.
+
+What it does not do: decide what to shard beyond "each decoder layer", or what goes into a checkpoint's extras.
 """
 
 import datetime
+import json
 import os
+import shutil
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -127,6 +135,63 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip by the global gradient norm (over all shards) and return it."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def barrier() -> None:
+    if _OURS:
+        dist.barrier()
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete checkpoint folder (step_NNNNNN with its meta.json) in `folder`, or None."""
+    done = sorted(p for p in Path(folder).glob("step_*") if (p / "meta.json").exists())
+    return done[-1] if done else None
+
+
+def save_checkpoint(folder: Path, step: int, model, optimizer, meta: dict, rank_state: dict, keep: int) -> Path:
+    """folder/step_NNNNNN: sharded model and optimizer, `meta` (rank 0's JSON), `rank_state` (per rank, torch.save).
+
+    Written as folder/.tmp-step_NNNNNN and renamed when every rank has finished; then only the newest `keep` stay.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final, tmp = Path(folder) / f"step_{step:06d}", Path(folder) / f".tmp-step_{step:06d}"
+    if is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not _OURS)
+    torch.save(rank_state, tmp / f"rank{rank()}.pt")
+    barrier()
+    if is_main():
+        (tmp / "meta.json").write_text(json.dumps(dict(meta, step=step), indent=1))  # last: marks it complete
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(p for p in Path(folder).glob("step_*") if (p / "meta.json").exists())[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
+    """Loads the shards into `model` (and `optimizer`, unless None) in place; returns (meta, this rank's state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(path), no_dist=not _OURS)
+        set_model_state_dict(model, state["model"])
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path), no_dist=not _OURS)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    return meta, torch.load(Path(path) / f"rank{rank()}.pt", weights_only=False)
 
 
 def close() -> None:

@@ -28,6 +28,7 @@ import grpo
 import model as M
 import reward
 import rollout
+from logs import RunLog, plot
 
 
 @dataclass
@@ -88,6 +89,12 @@ class Config:
     threads: int = 0  # torch CPU threads; 0 = all cores
     logprob_chunk_tokens: int = 1024  # positions per LM-head chunk when computing logprobs (memory bound)
     save_final: bool = True  # write the final weights as an HF checkpoint to <out_dir>/final
+    checkpoint_every: int = 50  # sharded checkpoint (model, optimizer, RNG, data order) every N steps and at the end; 0 = never
+    keep_checkpoints: int = 2  # how many of the newest checkpoints to keep
+    resume: bool = True  # continue from the newest complete checkpoint in <out_dir>/checkpoints when there is one
+    plot: bool = True  # draw <out_dir>/curves.png at the end
+    tensorboard: bool = False  # also log to <out_dir>/tensorboard (needs the tensorboard package)
+    wandb_project: str = ""  # also log to this Weights & Biases project (needs the wandb package)
     quiet: bool = False  # no progress bar (the JSON lines are still written)
 
 
@@ -317,6 +324,30 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
 # The loop
 
 
+def save_hf(lm, tok, folder: Path) -> None:
+    """An HF checkpoint (config, safetensors, tokenizer) that transformers and vLLM load directly. A collective
+    under FSDP (every rank gathers); rank 0 writes it aside and renames it into place, never half-written."""
+    state = dist.full_state_dict(lm)
+    if dist.is_main():
+        folder, tmp = Path(folder), Path(str(folder) + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        lm.save_pretrained(tmp, state_dict=state)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+
+
+def export_hf(checkpoint: str, out: str) -> None:
+    """`python train.py export RUN/checkpoints/step_NNNNNN OUT`: the HF checkpoint of any saved step."""
+    meta = json.loads((Path(checkpoint) / "meta.json").read_text())
+    cfg = Config(**meta["config"])
+    path = cfg.init_from or (tiny_base() if cfg.model == M.TINY else cfg.model)
+    policy = load_trainable(path, torch.device("cpu"), False, False, cfg.trust_remote_code)
+    dist.load_checkpoint(Path(checkpoint), policy, None)
+    save_hf(policy.lm, M.load_tokenizer(path, cfg.trust_remote_code), Path(out))
+    print(f"exported step {meta['step']} of {checkpoint} to {out}")
+
+
 def validate(cfg: Config, world: int) -> None:
     """One clear line for a bad flag, before any model or engine is loaded."""
     checks = [
@@ -393,13 +424,30 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
 
     from tqdm import tqdm
 
-    bar = tqdm(range(1, cfg.steps + 1), disable=cfg.quiet or not dist.is_main(), desc="GRPO", dynamic_ncols=True)
-    last_eval = evaluate(engine, tok, cfg, heldout, heldout_prompts, seed=cfg.seed) if cfg.eval_every else {}
-    history = [dict(step=0, **last_eval)]
+    # resume from the newest complete checkpoint of this run folder, if there is one (and --resume is on)
+    log = RunLog(out, cfg.tensorboard, cfg.wandb_project, asdict(cfg)) if dist.is_main() else None
+    ckpt = dist.latest_checkpoint(out / "checkpoints") if cfg.resume else None
+    if ckpt is not None:
+        meta, rank_state = dist.load_checkpoint(ckpt, policy, opt)
+        start = meta["step"]
+        sched.load_state_dict(rank_state["sched"])
+        stream.rng.setstate(rank_state["stream_rng"])
+        stream.buf = rank_state["stream_buf"]
+        torch.set_rng_state(rank_state["torch_rng"])
+        engine.load_weights(dist.full_weights(policy.lm, engine_dtype))  # the engine samples from resumed weights
+        history = log.start(keep_until=start) if log else []
+        dist.print0(f"resumed from {ckpt} at step {start}")
+    else:
+        start = 0
+        first = evaluate(engine, tok, cfg, heldout, heldout_prompts, seed=cfg.seed) if cfg.eval_every else {}
+        history = [dict(step=0, **first)]
+        if log:
+            log.start(keep_until=None)
+            log.write(history[0])
+    last_eval = next((r for r in reversed(history) if "heldout_pass1" in r), {})
+    bar = tqdm(range(start + 1, cfg.steps + 1), disable=cfg.quiet or not dist.is_main(), desc="GRPO",
+               dynamic_ncols=True)
     t_start = time.time()
-    if dist.is_main():
-        with open(out / "metrics.jsonl", "w") as f:
-            f.write(json.dumps(history[0]) + "\n")
 
     for step in bar:
         t0 = time.time()
@@ -475,21 +523,23 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         row["tokens_per_s"] = tot["resp_tokens"] / row["time_step"]
         row["elapsed"] = time.time() - t_start
         history.append(row)
-        if dist.is_main():
-            with open(out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+        if log:
+            log.write(row)
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", heldout=f"{last_eval.get('heldout_pass1', 0):.2f}",
                             mpe=f"{row['token_mult_prob_error']:.3f}")
+        if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+            rank_state = dict(sched=sched.state_dict(), stream_rng=stream.rng.getstate(), stream_buf=stream.buf,
+                              torch_rng=torch.get_rng_state())
+            dist.save_checkpoint(out / "checkpoints", step, policy, opt, {"config": asdict(cfg)}, rank_state,
+                                 keep=cfg.keep_checkpoints)
     bar.close()
+    if log:
+        log.close()
+        if cfg.plot:
+            plot(out)
 
-    state = dist.full_state_dict(policy.lm) if cfg.save_final else None  # every rank joins the gather
-    if cfg.save_final and dist.is_main():
-        final, tmp = out / "final", out / ".final.tmp"  # written aside, then renamed: never half-written
-        shutil.rmtree(tmp, ignore_errors=True)
-        policy.lm.save_pretrained(tmp, state_dict=state)
-        tok.save_pretrained(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+    if cfg.save_final:
+        save_hf(policy.lm, tok, out / "final")
     summary = dict(out_dir=str(out), minutes=(time.time() - t_start) / 60,
                    first=history[0], last={k: v for k, v in history[-1].items() if k.startswith("heldout")})
     dist.print0(json.dumps(summary))
@@ -525,4 +575,9 @@ def parse_args(argv: list[str]) -> Config:
 
 
 if __name__ == "__main__":
-    train(parse_args(sys.argv[1:]))
+    if sys.argv[1:2] == ["export"]:
+        if len(sys.argv) != 4:
+            raise SystemExit("usage: python train.py export RUN/checkpoints/step_NNNNNN OUT_FOLDER")
+        export_hf(sys.argv[2], sys.argv[3])
+    else:
+        train(parse_args(sys.argv[1:]))

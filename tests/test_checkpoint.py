@@ -1,0 +1,105 @@
+"""Runs that survive a crash: SIGKILL mid-step, resume, identical metrics and weights; partial checkpoints are
+never picked up; a saved step exports to an HF folder that transformers and vLLM load; the curves PNG."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import distributed
+import model
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = ["--steps", "6", "--checkpoint-every", "2", "--eval-every", "3", "--prompts-per-step", "16", "--quiet"]
+TIMING = ("time_", "elapsed", "tokens_per_s", "peak_mem")
+
+
+def run(out: Path, *extra) -> subprocess.Popen:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *FLAGS, "--out-dir", str(out), *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def rows_without_timing(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_path):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    p = run(out)
+    log = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, log[-3000:]
+    return out
+
+
+def test_killed_then_resumed_run_equals_uninterrupted_run(uninterrupted, tmp_path):
+    out = tmp_path / "killed"
+    p = run(out)
+    # kill -9 in the middle of step 5: after step 4's checkpoint, once step 4's metrics line is out
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if (out / "checkpoints" / "step_000004").exists():
+            break
+        time.sleep(0.02)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL
+    assert not (out / "final").exists()
+    p = run(out)  # same command: resumes by default
+    log = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, log[-3000:]
+    assert "resumed from" in log and "step_000004" in log
+    assert rows_without_timing(out) == rows_without_timing(uninterrupted)
+    a, b = load_file(out / "final" / "model.safetensors"), load_file(uninterrupted / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000004", "step_000006"]  # keep 2
+
+
+def test_partial_checkpoints_are_never_picked_up(tmp_path):
+    (tmp_path / "step_000002").mkdir()
+    (tmp_path / "step_000002" / "meta.json").write_text("{}")
+    (tmp_path / ".tmp-step_000004").mkdir()  # a save that was killed before its rename
+    (tmp_path / "step_000006").mkdir()  # a folder without meta.json is not complete either
+    assert distributed.latest_checkpoint(tmp_path) == tmp_path / "step_000002"
+    assert distributed.latest_checkpoint(tmp_path / "nothing-here") is None
+
+
+def test_export_of_a_saved_step_loads_in_transformers_and_vllm(uninterrupted, tmp_path, tiny_path, tok):
+    out = tmp_path / "exported"
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "export",
+                        str(uninterrupted / "checkpoints" / "step_000006"), str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # the exported step 6 is the run's final weights
+    a, b = load_file(out / "model.safetensors"), load_file(uninterrupted / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    # vLLM loads the folder itself (in a process of its own) and gives the trainer's logprobs
+    check = (
+        "import sys, torch; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
+        "import model, rollout, train, test_rollout\n"
+        "e = rollout.VLLMEngine(%r, max_model_len=64, dtype='float32')\n"
+        "m = model.load_model(%r); tok = model.load_tokenizer(%r)\n"
+        "prompts = test_rollout.prompts_of(tok, 32)\n"
+        "print('DIFF', test_rollout.mean_abs_diff(m, e, prompts, seed=0))\n"
+    ) % (str(ROOT), str(ROOT / "tests"), str(out), str(out), str(out))
+    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    diff = float(r.stdout.split("DIFF")[1])
+    assert diff < 1e-3
+    assert model.load_model(str(out)).config.model_type == "qwen2"
+
+
+def test_run_writes_the_curves_png(uninterrupted):
+    png = uninterrupted / "curves.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
