@@ -58,11 +58,10 @@ def noisy_corpus(problems: list[Problem], n: int, noise: float, seed: int = 0) -
 
 
 class DataError(SystemExit):
-    """Bad input data: one line that names the file and the row (exit status 2 when uncaught)."""
+    """Bad input data: one line that names the file and the row (train.py exits with status 2)."""
 
     def __init__(self, msg: str):
         super().__init__(f"error: {msg}")
-        self.code = 2
 
 
 def _rows(path: str):

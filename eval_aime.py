@@ -106,5 +106,10 @@ def main(cfg: EvalConfig, engine=None) -> dict:
 if __name__ == "__main__":
     import tyro
 
-    main(tyro.cli(EvalConfig))
-    sys.exit(0)
+    try:
+        main(tyro.cli(EvalConfig))
+    except SystemExit as e:  # bad flags and bad data: one line on stderr, exit status 2
+        if isinstance(e.code, str) and e.code.startswith("error:"):
+            print(e.code, file=sys.stderr)
+            sys.exit(2)
+        raise

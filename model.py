@@ -32,15 +32,27 @@ TINY_VERSION = 4  # bump when the recipe below changes, so stale caches are rebu
 DEFAULT_CACHE = Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-minimal"))
 
 
+def _needs_remote_code(path: str, err: Exception):
+    if "trust_remote_code" in str(err):
+        raise SystemExit(f"error: {path} ships its own model code; pass --trust-remote-code if you trust it") from err
+    raise err
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        _needs_remote_code(path, err)
     if tok.pad_token_id is None:  # right padding only ever fills positions the loss masks out
         tok.pad_token = tok.eos_token
     return tok
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        _needs_remote_code(path, err)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ import json
 import os
 import random
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -41,6 +43,7 @@ class Config:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute/engine dtype (weights stay float32); auto: bfloat16 on GPU, float32 on CPU
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long sequences)
     dist_timeout_s: int = 600  # a collective waiting longer than this fails the run instead of hanging
+    max_skipped_steps: int = 3  # stop after this many consecutive updates skipped for a non-finite loss or gradient
     # the task
     task: Literal["sum3", "math"] = "sum3"  # sum3: the synthetic demo task; math: problems from --data, boxed answers
     data: str = ""  # math: training problems (.jsonl, .json, .parquet, or an HF dataset name[:split])
@@ -267,7 +270,8 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
                   group_offset: int = 0):
     """Steps 5 and 6 of DESIGN.md on this rank's share of the batch: old/reference logprobs, then one AdamW step
     per minibatch (loss over token-budget micro-batches, gradients summed over ranks by FSDP, clipped). Returns summed
-    metrics, the last gradient norm, and the old logprobs [N, T]. group_offset: global index of this rank's first
+    metrics, the last gradient norm, the old logprobs [N, T] and how many updates were skipped for a non-finite
+    gradient. group_offset: global index of this rank's first
     group (rank * prompts per rank)."""
     N, G = len(b.lengths), cfg.group_size
     # Minibatch k holds the groups whose global index j has j % n_minibatches == k: whole groups, and the same
@@ -290,7 +294,7 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
     # 6. minibatch updates: loss -> backward -> grad clip -> AdamW step; micro-batches sized by tokens
     policy.train()
     sums: dict[str, float] = {}
-    grad_norm = torch.tensor(0.0)
+    grad_norm, skipped = torch.tensor(0.0), 0
     for rows in minibatches:
         counts = torch.tensor([b.loss_mask[rows].sum().item(), float((b.loss_mask[rows].sum(1) > 0).sum())])
         dist.all_reduce_sum(counts)  # the global normalizer: the gradient does not depend on world size or splits
@@ -312,12 +316,15 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
                 metrics["entropy"] = (entropy.detach() * mb["resp_mask"].to(device)).sum()
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
-        grad_norm = dist.clip_grad_norm(policy, cfg.grad_clip)
-        opt.step()
-        sched.step()
+        grad_norm = dist.clip_grad_norm(policy, cfg.grad_clip)  # global over ranks: all ranks agree on skipping
+        if torch.isfinite(grad_norm):
+            opt.step()
+            sched.step()
+        else:  # a NaN/inf loss or gradient: this update is skipped, weights and optimizer state stay as they were
+            skipped += 1
         opt.zero_grad(set_to_none=True)
     policy.eval()
-    return sums, float(grad_norm), old_logp
+    return sums, float(grad_norm), old_logp, skipped
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -348,6 +355,34 @@ def export_hf(checkpoint: str, out: str) -> None:
     print(f"exported step {meta['step']} of {checkpoint} to {out}")
 
 
+def _writable(folder: Path) -> bool:
+    """Whether `folder` exists as a writable folder, or could be created (its nearest existing parent is)."""
+    while not folder.exists():
+        if folder.parent == folder:
+            return False
+        folder = folder.parent
+    return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
+
+
+class CtrlC:
+    """The first Ctrl-C (SIGINT) asks the loop to stop after the current step and checkpoint; a second one aborts."""
+
+    def __init__(self, install: bool):
+        self._set = False
+        if install and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self._set:
+            raise KeyboardInterrupt
+        self._set = True
+        print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again to abort now)", file=sys.stderr,
+              flush=True)
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 def validate(cfg: Config, world: int) -> None:
     """One clear line for a bad flag, before any model or engine is loaded."""
     checks = [
@@ -375,6 +410,8 @@ def validate(cfg: Config, world: int) -> None:
         (0.0 <= cfg.val_fraction < 1.0, f"--val-fraction {cfg.val_fraction}: must be in [0, 1)"),
         (not cfg.prompt_template or os.path.isfile(cfg.prompt_template),
          f"--prompt-template {cfg.prompt_template}: no such file"),
+        (_writable(Path(cfg.out_dir or "runs")), f"--out-dir {cfg.out_dir or 'runs'}: cannot be written"),
+        (cfg.max_skipped_steps >= 1, f"--max-skipped-steps {cfg.max_skipped_steps}: must be at least 1"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -447,7 +484,8 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     last_eval = next((r for r in reversed(history) if "heldout_pass1" in r), {})
     bar = tqdm(range(start + 1, cfg.steps + 1), disable=cfg.quiet or not dist.is_main(), desc="GRPO",
                dynamic_ncols=True)
-    t_start = time.time()
+    t_start, bad_steps, stop = time.time(), 0, False
+    ctrl_c = CtrlC(install=__name__ == "__main__")  # only a command-line run owns the process's SIGINT
 
     for step in bar:
         t0 = time.time()
@@ -489,7 +527,12 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         adv = grpo.group_advantages(rewards, cfg.leave_one_out, cfg.normalize_std)  # [P, G]
         b = make_batch(prompts, samples, adv.flatten(), cfg.overlong_filter, tok.pad_token_id)
         # 5-6. old (and reference) logprobs, then minibatch updates
-        sums, grad_norm, old_logp = update_policy(policy, ref, opt, sched, b, cfg, loss_cfg, device, rank * per_rank)
+        sums, grad_norm, old_logp, skipped = update_policy(policy, ref, opt, sched, b, cfg, loss_cfg, device,
+                                                           rank * per_rank)
+        bad_steps = bad_steps + 1 if skipped else 0
+        if bad_steps >= cfg.max_skipped_steps:
+            raise SystemExit(f"error: step {step}: non-finite loss or gradient for {bad_steps} steps in a row "
+                             f"(--max-skipped-steps {cfg.max_skipped_steps}); last checkpoint in {out / 'checkpoints'}")
         t3 = time.time()
         # 7. refit: the engine samples the next step from the new weights
         engine.load_weights(dist.full_weights(policy.lm, engine_dtype))
@@ -510,7 +553,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
             clip_frac_high=tot.get("clip_high", 0.0) / n_loss_tok, kl=tot.get("kl", 0.0) / n_loss_tok,
             entropy=tot.get("entropy", 0.0) / n_tok, token_mult_prob_error=tot["token_mult_prob_error"] / n_tok,
             gen_kl_error=tot["gen_kl_error"] / n_tok, truncated_frac=tot["truncated"] / n_seq,
-            zero_var_group_frac=tot["zero_var_groups"] / tot["groups"], adv_mean=adv_mean,
+            zero_var_group_frac=tot["zero_var_groups"] / tot["groups"], adv_mean=adv_mean, skipped_updates=skipped,
             adv_std=max(tot["adv_sq"] / n_seq - adv_mean**2, 0.0) ** 0.5, generation_rounds=tries,
             lr=sched.get_last_lr()[0], time_generate=t1 - t0, time_score=t2 - t1, time_train=t3 - t2,
             time_refit=t4 - t3,
@@ -527,16 +570,24 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
             log.write(row)
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", heldout=f"{last_eval.get('heldout_pass1', 0):.2f}",
                             mpe=f"{row['token_mult_prob_error']:.3f}")
-        if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+        # Ctrl-C (on any rank) ends the run after this step, with a checkpoint to resume from
+        stop = dist.all_reduce_max(torch.tensor([float(ctrl_c.is_set())])).item() > 0
+        if stop or (cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps)):
             rank_state = dict(sched=sched.state_dict(), stream_rng=stream.rng.getstate(), stream_buf=stream.buf,
                               torch_rng=torch.get_rng_state())
-            dist.save_checkpoint(out / "checkpoints", step, policy, opt, {"config": asdict(cfg)}, rank_state,
-                                 keep=cfg.keep_checkpoints)
+            saved = dist.save_checkpoint(out / "checkpoints", step, policy, opt, {"config": asdict(cfg)}, rank_state,
+                                         keep=cfg.keep_checkpoints)
+        if stop:
+            break
     bar.close()
     if log:
         log.close()
         if cfg.plot:
             plot(out)
+    if ctrl_c.is_set() or stop:
+        dist.print0(f"interrupted after step {step}: checkpoint {saved}; the same command resumes from it")
+        dist.close()
+        raise SystemExit(130)
 
     if cfg.save_final:
         save_hf(policy.lm, tok, out / "final")
@@ -574,10 +625,21 @@ def parse_args(argv: list[str]) -> Config:
     return tyro.cli(Config, default=default, args=argv)
 
 
+def main(argv: list[str]) -> None:
+    """Bad flags and bad data end the run with their one-line message on stderr and exit status 2."""
+    try:
+        if argv[:1] == ["export"]:
+            if len(argv) != 3:
+                raise SystemExit("error: usage: python train.py export RUN/checkpoints/step_NNNNNN OUT_FOLDER")
+            export_hf(argv[1], argv[2])
+        else:
+            train(parse_args(argv))
+    except SystemExit as e:
+        if isinstance(e.code, str) and e.code.startswith("error:"):
+            print(e.code, file=sys.stderr)
+            sys.exit(2)
+        raise
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["export"]:
-        if len(sys.argv) != 4:
-            raise SystemExit("usage: python train.py export RUN/checkpoints/step_NNNNNN OUT_FOLDER")
-        export_hf(sys.argv[2], sys.argv[3])
-    else:
-        train(parse_args(sys.argv[1:]))
+    main(sys.argv[1:])

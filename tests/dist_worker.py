@@ -4,6 +4,7 @@
   refit  OUT TP             shard, change the weights, refit each rank's vLLM engine (TP-sharded when TP > 1),
                             compare its logprobs with the trainer's
   die    OUT                rank 1 dies after a barrier; rank 0 waits in a collective
+  hang   OUT                rank 1 hangs (sleeps) after a barrier; rank 0's collective must time out
 """
 
 import json
@@ -99,6 +100,15 @@ def die(out: Path):
         torch.distributed.all_reduce(t)
 
 
+def hang(out: Path):
+    rank, _ = dist.init(timeout_s=10)
+    torch.distributed.barrier()
+    if rank == 1:
+        time.sleep(600)
+    torch.distributed.all_reduce(torch.ones(1))
+
+
 if __name__ == "__main__":
     job, out = sys.argv[1], Path(sys.argv[2])
-    {"update": lambda: update(out, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])), "refit": lambda: refit(out, int(sys.argv[3])), "die": lambda: die(out)}[job]()
+    {"update": lambda: update(out, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])), "refit": lambda: refit(out, int(sys.argv[3])), "die": lambda: die(out),
+     "hang": lambda: hang(out)}[job]()

@@ -1,0 +1,171 @@
+"""Bad input and faults: one clear line before heavy work, skipped non-finite updates, a fuzzed reward that never
+raises or executes model output, trust_remote_code stays off, and Ctrl-C leaves a checkpoint that resumes."""
+
+import builtins
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import grpo
+import model
+import reward
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("flags,world,needle", [
+    (dict(group_size=1), 1, "--group-size 1"),
+    (dict(prompts_per_step=32), 3, "--prompts-per-step 32: must be a positive multiple of the 3 ranks"),
+    (dict(minibatch_size=512), 1, "--minibatch-size 512"),
+    (dict(minibatch_size=12), 1, "--minibatch-size 12: must be a multiple of --group-size 8"),
+    (dict(max_new_tokens=64, max_seq_len=64), 1, "--max-new-tokens 64"),
+    (dict(lr=0.0), 1, "--lr 0.0"),
+    (dict(lr=-1e-3), 1, "--lr -0.001"),
+    (dict(model="/no/such/model"), 1, "--model /no/such/model"),
+    (dict(init_from="/no/such/run/final"), 1, "--init-from /no/such/run/final"),
+    (dict(out_dir="/etc/hostname/run"), 1, "--out-dir /etc/hostname/run: cannot be written"),
+    (dict(task="math"), 1, "--data: the math task needs"),
+    (dict(tensor_parallel_size=2), 1, "--tensor-parallel-size 2"),
+    (dict(dual_clip=0.5), 1, "--dual-clip 0.5"),
+])
+def test_each_bad_flag_gets_one_line(flags, world, needle):
+    with pytest.raises(SystemExit) as e:
+        train.validate(train.Config(**flags), world)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_flag_exits_2_with_one_line_before_any_engine_or_model(tmp_path):
+    t = time.time()
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--group-size", "1", "--out-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("error: --group-size 1")
+    assert "vLLM" not in r.stderr + r.stdout and "building" not in r.stdout
+    assert not list(tmp_path.iterdir())  # nothing written either
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--stage", "7"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --stage 7: unknown stage (use 1, 2 or 3)"
+
+
+def test_bad_data_file_exits_2_naming_file_and_row(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n')
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--task", "math", "--data", str(bad),
+                        "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {bad}: row 2: missing field 'answer' (fields: problem)"
+
+
+def test_nan_in_the_loss_skips_the_update_and_keeps_the_weights(tiny_path, tok):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from dist_worker import fixed_global_batch
+
+    prompts, samples, rewards = fixed_global_batch(tok)
+    adv = grpo.group_advantages(rewards).flatten()
+    adv[3] = float("nan")  # one poisoned sequence makes the loss and every gradient NaN
+    b = train.make_batch(prompts, samples, adv, False, tok.pad_token_id)
+    cfg = train.Config(prompts_per_step=8, group_size=4)
+    policy = train.load_trainable(tiny_path, torch.device("cpu"), False, False)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    _, grad_norm, _, skipped = train.update_policy(policy, None, opt, sched, b, cfg, grpo.LossConfig(),
+                                                   torch.device("cpu"))
+    assert skipped == 1 and not torch.isfinite(torch.tensor(grad_norm))
+    assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+    assert not opt.state and sched.last_epoch == 0  # AdamW's moments and the schedule did not move
+    # the same batch without the NaN does update
+    b.advantages[3] = 0.5
+    _, _, _, skipped = train.update_policy(policy, None, opt, sched, b, cfg, grpo.LossConfig(), torch.device("cpu"))
+    assert skipped == 0 and any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())
+
+
+LATEX_BITS = ["\\boxed{", "\\fbox{", "}", "{", "\\frac", "\\sqrt", "^", "_", "\\pi", "\\infty", "\\left(", "\\right)",
+              "</think>", "$", "\\\\", "\\text{", "=", ",", ".", "!", "9" * 12, "\\cdot", "(", ")", "[", "]", "x", "-"]
+latexish = st.lists(st.one_of(st.sampled_from(LATEX_BITS), st.text(max_size=8)), max_size=40).map("".join)
+
+
+@settings(max_examples=300, deadline=1000, suppress_health_check=[HealthCheck.too_slow])
+@given(response=st.one_of(st.text(max_size=200), latexish), gold=st.sampled_from(["1", "\\frac{1}{2}", "42", "x^2"]))
+def test_fuzzed_reward_never_raises_and_is_fast(response, gold):
+    t = time.time()
+    assert reward.math_reward(response, gold) in (0.0, 1.0)
+    assert reward.exact_reward(response, gold) in (0.0, 1.0)
+    assert time.time() - t < 1.0
+
+
+@settings(max_examples=150, deadline=1000)
+@given(response=latexish)
+def test_model_output_never_reaches_eval_exec_or_sympify(response, monkeypatch_module):
+    marker = "zq" + "9" * 5  # a token that could only come from the response
+    seen = monkeypatch_module
+    reward.math_reward(response + f"\\boxed{{{marker}+{response[:20]}}}", "1")
+    assert not [a for a in seen if marker in a]
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    """Records the source strings handed to eval, exec and sympy's sympify / parse_expr while the tests run."""
+    import sympy
+    import sympy.parsing.sympy_parser as sp
+
+    seen: list[str] = []
+    originals = {(builtins, "eval"): builtins.eval, (builtins, "exec"): builtins.exec,
+                 (sympy, "sympify"): sympy.sympify, (sp, "parse_expr"): sp.parse_expr}
+
+    def spy(fn):
+        def wrapped(source, *a, **k):
+            if isinstance(source, str):
+                seen.append(source)
+            return fn(source, *a, **k)
+        return wrapped
+
+    for (mod, name), fn in originals.items():
+        setattr(mod, name, spy(fn))
+    yield seen
+    for (mod, name), fn in originals.items():
+        setattr(mod, name, fn)
+
+
+def test_trust_remote_code_stays_off_and_says_so(tmp_path):
+    cfg = {"model_type": "my_custom_lm", "architectures": ["MyLM"], "auto_map": {"AutoConfig": "conf.MyConfig",
+           "AutoModelForCausalLM": "mod.MyLM"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "conf.py").write_text("raise RuntimeError('remote code ran')\n")
+    with pytest.raises(SystemExit) as e:
+        model.load_model(str(tmp_path))
+    assert "--trust-remote-code" in str(e.value) and str(tmp_path) in str(e.value)
+
+
+def test_ctrl_c_writes_a_checkpoint_that_resumes(tmp_path, tiny_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), "--steps", "200", "--checkpoint-every", "0", "--eval-every", "0",
+           "--prompts-per-step", "8", "--out-dir", str(out), "--quiet"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    log = p.communicate(timeout=120)[0]
+    assert p.returncode == 130, log[-3000:]
+    assert "Traceback" not in log and "interrupted after step" in log
+    step = int(log.split("interrupted after step ")[1].split(":")[0])
+    assert (out / "checkpoints" / f"step_{step:06d}" / "meta.json").exists()
+    r = subprocess.run(cmd[:3] + [str(step + 2)] + cmd[4:], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / f'step_{step:06d}'} at step {step}" in r.stdout
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [row["step"] for row in rows] == list(range(step + 3))
