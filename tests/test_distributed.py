@@ -18,7 +18,13 @@ def torchrun(n: int, *args, timeout=300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     cmd = [TORCHRUN, "--nproc_per_node", str(n), "--master_port", str(29500 + os.getpid() % 1000),
            str(HERE / "dist_worker.py"), *map(str, args)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # Seen once in about a dozen 2-rank runs on a fresh machine: a rank aborts in native code with "terminate
+    # called without an active exception" and no Python traceback (gloo/c10d, not our code's numbers). Such a run
+    # says nothing about the behaviour under test, so it is run once more; any other failure stands.
+    if r.returncode != 0 and "terminate called without an active exception" in r.stderr and args[0] != "die":
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return r
 
 
 @pytest.mark.parametrize("micro_tokens,minibatches,lr", [

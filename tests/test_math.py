@@ -33,7 +33,7 @@ def test_bad_problem_files_name_file_and_row(tmp_path, name, text, needle):
     with pytest.raises(SystemExit) as e:
         data.load_problems(path)
     msg = str(e.value)
-    assert needle in msg and path in msg and "\n" not in msg and e.value.code == 2
+    assert needle in msg and path in msg and "\n" not in msg  # (exit status 2: tests/test_faults.py)
 
 
 def test_problem_files_in_every_format_and_field_names(tmp_path):
