@@ -30,9 +30,10 @@ class Sample:
 class Engine(Protocol):
     def generate(
         self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-        seed: int | None = None,
+        seed: int | None = None, progress: bool = False,
     ) -> list[Sample]:
-        """n samples for each prompt, ordered prompt-major: samples of prompt i are [i*n, (i+1)*n)."""
+        """n samples for each prompt, ordered prompt-major: samples of prompt i are [i*n, (i+1)*n).
+        progress: show a progress bar (long rollouts on GPUs)."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -87,14 +88,14 @@ class VLLMEngine:
         if torch.get_num_threads() != threads:
             raise RuntimeError(f"vLLM start-up changed torch threads {threads} -> {torch.get_num_threads()}")
 
-    def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None) -> list[Sample]:
+    def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False) -> list[Sample]:
         from vllm import SamplingParams, TokensPrompt
 
         # One seed per prompt: a single seed shared by all requests would feed every prompt the same random
         # draws, correlating samples across groups.
         sps = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
                               seed=None if seed is None else seed * 1_000_003 + i) for i in range(len(prompts))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=progress)
         samples = []
         for i, out in enumerate(outs):
             for c in out.outputs:
@@ -133,12 +134,14 @@ class HFEngine:
         self.batch_size = batch_size
 
     @torch.no_grad()
-    def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None) -> list[Sample]:
+    def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False) -> list[Sample]:
+        from tqdm import tqdm
+
         if seed is not None:
             torch.manual_seed(seed)
         flat = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
         samples = []
-        for s in range(0, len(flat), self.batch_size):
+        for s in tqdm(range(0, len(flat), self.batch_size), desc="generate", disable=not progress, leave=False):
             samples += self._generate_batch(flat[s : s + self.batch_size], max_tokens, temperature, top_p)
         return samples
 

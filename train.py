@@ -10,6 +10,7 @@ checkpoint. Under torchrun, each rank generates for its share of the prompts and
 What it does not do: anything the files it calls own. The demo task and its data live in data.py.
 """
 
+import importlib.util
 import json
 import os
 import random
@@ -99,6 +100,7 @@ class Config:
     tensorboard: bool = False  # also log to <out_dir>/tensorboard (needs the tensorboard package)
     wandb_project: str = ""  # also log to this Weights & Biases project (needs the wandb package)
     quiet: bool = False  # no progress bar (the JSON lines are still written)
+    detailed_progress: bool = False  # also bars for each step's rollout, training and evaluation (long GPU steps)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -223,7 +225,7 @@ def evaluate(engine, tok, cfg: Config, problems: list[data.Problem], prompts: li
     mine = slice(rank * len(prompts) // engines, (rank + 1) * len(prompts) // engines)
     problems, prompts = problems[mine], prompts[mine]
     sampled = engine.generate(prompts, n=cfg.eval_samples, max_tokens=cfg.max_new_tokens,
-                              temperature=cfg.temperature, seed=seed)
+                              temperature=cfg.temperature, seed=seed, progress=_bars(cfg))
     greedy = engine.generate(prompts, n=1, max_tokens=cfg.max_new_tokens, temperature=0.0, seed=seed)
     s, g = score(cfg.task, tok, sampled, problems), score(cfg.task, tok, greedy, problems)
     counted = float(dist.rank() % tp == 0)
@@ -244,6 +246,11 @@ def load_trainable(path: str, device, bf16: bool, checkpointing: bool, trust_rem
     """An HF model in float32 (the optimizer's master weights), wrapped to return logprobs, sharded over ranks."""
     lm = M.load_model(path, dtype=torch.float32, trust_remote_code=trust_remote_code).to(device)
     return dist.shard(M.LogprobModel(lm), lm, bf16_compute=bf16, checkpointing=checkpointing)
+
+
+def _bars(cfg: Config) -> bool:
+    """Per-phase progress bars: asked for, on rank 0 only, and not in a quiet run."""
+    return cfg.detailed_progress and not cfg.quiet and dist.is_main()
 
 
 def _logprobs(m, mb: dict, cfg: Config, device, grad: bool):
@@ -295,7 +302,11 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
     policy.train()
     sums: dict[str, float] = {}
     grad_norm, skipped = torch.tensor(0.0), 0
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(minibatches), desc="train", disable=not _bars(cfg), leave=False)
     for rows in minibatches:
+        bar.update(1)
         counts = torch.tensor([b.loss_mask[rows].sum().item(), float((b.loss_mask[rows].sum(1) > 0).sum())])
         dist.all_reduce_sum(counts)  # the global normalizer: the gradient does not depend on world size or splits
         norm = max(float(counts[0] if cfg.token_level else counts[1]), 1.0)
@@ -323,6 +334,7 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
         else:  # a NaN/inf loss or gradient: this update is skipped, weights and optimizer state stay as they were
             skipped += 1
         opt.zero_grad(set_to_none=True)
+    bar.close()
     policy.eval()
     return sums, float(grad_norm), old_logp, skipped
 
@@ -412,6 +424,10 @@ def validate(cfg: Config, world: int) -> None:
          f"--prompt-template {cfg.prompt_template}: no such file"),
         (_writable(Path(cfg.out_dir or "runs")), f"--out-dir {cfg.out_dir or 'runs'}: cannot be written"),
         (cfg.max_skipped_steps >= 1, f"--max-skipped-steps {cfg.max_skipped_steps}: must be at least 1"),
+        (not cfg.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+         "--tensorboard: needs the tensorboard package (pip install tensorboard)"),
+        (not cfg.wandb_project or importlib.util.find_spec("wandb") is not None,
+         f"--wandb-project {cfg.wandb_project}: needs the wandb package (pip install wandb)"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -501,7 +517,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
             ids = stream.take(cfg.prompts_per_step)[dp_rank * share : (dp_rank + 1) * share]
             t = time.time()
             new = engine.generate([train_prompts[i] for i in ids], n=G, max_tokens=cfg.max_new_tokens,
-                                  temperature=cfg.temperature, top_p=cfg.top_p,
+                                  temperature=cfg.temperature, top_p=cfg.top_p, progress=_bars(cfg),
                                   seed=cfg.seed * 100_003 + step * 1009 + tries * 101 + dp_rank)
             t_gen += time.time() - t
             t = time.time()
@@ -602,7 +618,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
 # one's final checkpoint (--init-from). Responses get what the prompt (at most 1024 tokens) leaves.
 _DEEPSCALER = dict(task="math", prompts_per_step=128, group_size=8, minibatch_size=64, weight_decay=0.01,
                    warmup_steps=50, grad_clip=1.0, temperature=1.0, eps_low=0.2, activation_checkpointing=True,
-                   eval_every=10, eval_samples=16)
+                   eval_every=10, eval_samples=16, detailed_progress=True)
 STAGES = {
     1: dict(_DEEPSCALER, max_seq_len=8192, max_new_tokens=8192 - 1024, lr=2e-6, kl_beta=0.0, eps_high=0.2, steps=240),
     2: dict(_DEEPSCALER, max_seq_len=16384, max_new_tokens=16384 - 1024, lr=2e-6, kl_beta=1e-3, eps_high=0.28, steps=290),

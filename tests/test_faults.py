@@ -37,11 +37,24 @@ ROOT = Path(__file__).resolve().parents[1]
     (dict(task="math"), 1, "--data: the math task needs"),
     (dict(tensor_parallel_size=2), 1, "--tensor-parallel-size 2"),
     (dict(dual_clip=0.5), 1, "--dual-clip 0.5"),
+    (dict(max_skipped_steps=0), 1, "--max-skipped-steps 0"),
+    (dict(val_fraction=1.0), 1, "--val-fraction 1.0"),
+    (dict(prompt_template="/no/such/template.txt"), 1, "--prompt-template /no/such/template.txt"),
 ])
 def test_each_bad_flag_gets_one_line(flags, world, needle):
     with pytest.raises(SystemExit) as e:
         train.validate(train.Config(**flags), world)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_optional_loggers_fail_early_when_not_installed():
+    import importlib.util
+
+    for flags, package in ((dict(tensorboard=True), "tensorboard"), (dict(wandb_project="p"), "wandb")):
+        if importlib.util.find_spec(package) is not None:
+            continue  # installed here: nothing to refuse
+        with pytest.raises(SystemExit, match=f"needs the {package} package"):
+            train.validate(train.Config(**flags), 1)
 
 
 def test_bad_flag_exits_2_with_one_line_before_any_engine_or_model(tmp_path):
