@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 
 import distributed
 import model
-import train
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--steps", "6", "--checkpoint-every", "2", "--eval-every", "3", "--prompts-per-step", "16", "--quiet"]

@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-import torch
 from transformers import AutoModelForCausalLM
 
 import train
