@@ -3,11 +3,12 @@
 What it does: wires the other files into the data flow of DESIGN.md, one step at a time:
     prompts -> generate (rollout.py) -> score (reward.py) -> advantages (grpo.py) -> old logprobs (model.py)
     -> minibatch updates (grpo.py loss, AdamW, grad clip) -> refit (rollout.py) -> log (+ held-out eval)
-Each step writes one JSON line to <out_dir>/metrics.jsonl; the final weights go to <out_dir>/final as an HF
-checkpoint. Under torchrun, each rank generates for its share of the prompts and gradients are summed
-(distributed.py).
+Each step writes one JSON line to <out_dir>/metrics.jsonl (logs.py), checkpoints go to <out_dir>/checkpoints and
+a run resumes from the newest one, the final weights go to <out_dir>/final as an HF checkpoint. Under torchrun the
+trainer is sharded with FSDP2 and each vLLM engine generates for its share of the prompts (distributed.py).
+Also here: the DeepScaleR stage presets (STAGES), config validation, and `python train.py export CKPT OUT`.
 
-What it does not do: anything the files it calls own. The demo task and its data live in data.py.
+What it does not do: anything the files it calls own. Tasks, datasets and prompts live in data.py.
 """
 
 import importlib.util
