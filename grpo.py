@@ -101,8 +101,8 @@ def policy_loss(
     """This micro-batch's share of the loss of the global batch, and summed diagnostics.
 
     The returned loss is a *sum* divided by the global normalizer `num_tokens`, so summing it (and its gradient)
-    over micro-batches and ranks gives exactly the full-batch loss. Metrics are sums too (divide by the matching
-    count after reducing); `tokens` and `seqs` are the counts.
+    over micro-batches and ranks gives exactly the full-batch loss. Metrics are sums too: divide by `tokens`, the
+    count of loss tokens, after reducing.
     """
     mask = mask.to(logp.dtype)
     A = advantages.to(logp.dtype)[:, None]  # [B, 1]
@@ -145,12 +145,9 @@ def policy_loss(
         m = mask
         metrics = {
             "tokens": m.sum(),
-            "seqs": (m.sum(dim=1) > 0).to(logp.dtype).sum(),
-            "pg_loss": (pg * m).sum(),
             "kl": (kl * m).sum(),
             "clip_low": ((ratio < 1 - cfg.eps_low) & (A < 0)).to(logp.dtype).mul(m).sum(),
             "clip_high": ((ratio > 1 + cfg.eps_high) & (A > 0)).to(logp.dtype).mul(m).sum(),
-            "ratio": (ratio * m).sum(),
         }
     return loss, metrics
 

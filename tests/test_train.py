@@ -104,3 +104,13 @@ def test_dynamic_sampling_trains_only_on_informative_groups(vllm_engine, tmp_pat
         # ...and every kept group has signal: each has advantages of sample std 1, so their population std over
         # all sequences is sqrt((G-1)/G); a single zero-variance group among the 32 would give 0.920
         assert r["adv_std"] == pytest.approx(math.sqrt(7 / 8), abs=2e-3)
+
+
+def test_logged_means_count_every_sequence_even_when_overlong_filtering_masks_them(vllm_engine, tmp_path):
+    # max_new_tokens=1: every response is truncated, so overlong filtering leaves no sequence in the loss; the
+    # step's logged means must still be over all its sequences (the loss's own counts once overwrote them)
+    cfg = train.Config(steps=1, eval_every=0, max_new_tokens=1, overlong_filter=True, out_dir=str(tmp_path),
+                       quiet=True, save_final=False, checkpoint_every=0)
+    row = train.train(cfg, engine=vllm_engine)["history"][1]
+    assert row["truncated_frac"] == 1.0 and row["response_len_mean"] == 1.0
+    assert 0.0 <= row["reward_mean"] <= 1.0 and row["loss"] == 0.0
