@@ -17,17 +17,13 @@ class RunLog:
     def __init__(self, out: Path, tensorboard: bool = False, wandb_project: str = "", config: dict | None = None):
         self.path = Path(out) / "metrics.jsonl"
         self.tb = self.wb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise SystemExit("error: --tensorboard needs the tensorboard package (pip install tensorboard)")
+        if tensorboard:  # optional installs: train.validate refuses the flags before any work when they are missing
+            from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(str(Path(out) / "tensorboard"))
         if wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                raise SystemExit("error: --wandb-project needs the wandb package (pip install wandb)")
+            import wandb
+
             self.wb = wandb.init(project=wandb_project, dir=str(out), config=config or {})
 
     def start(self, keep_until: int | None) -> list[dict]:

@@ -108,6 +108,11 @@ class Config:
 # Helpers for the steps of the loop
 
 
+def model_path(cfg: "Config") -> str:
+    """Where the run's starting weights are: --init-from, else --model (the built-in base built on first use)."""
+    return cfg.init_from or (tiny_base() if cfg.model == M.TINY else cfg.model)
+
+
 def tiny_base() -> str:
     """The built-in base model: pretrained on data.py's corpus where 65% of the answers forget the last digit (built once)."""
     return M.ensure_tiny_base(lambda: data.noisy_corpus(data.sum3_split()[0], 200_000, noise=0.65))
@@ -361,7 +366,7 @@ def export_hf(checkpoint: str, out: str) -> None:
     """`python train.py export RUN/checkpoints/step_NNNNNN OUT`: the HF checkpoint of any saved step."""
     meta = json.loads((Path(checkpoint) / "meta.json").read_text())
     cfg = Config(**meta["config"])
-    path = cfg.init_from or (tiny_base() if cfg.model == M.TINY else cfg.model)
+    path = model_path(cfg)
     policy = load_trainable(path, torch.device("cpu"), False, False, cfg.trust_remote_code)
     dist.load_checkpoint(Path(checkpoint), policy, None)
     save_hf(policy.lm, M.load_tokenizer(path, cfg.trust_remote_code), Path(out))
@@ -451,7 +456,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
 
     train_set, heldout = load_task(cfg)  # bad data stops the run here, before any model is loaded
-    path = cfg.init_from or (tiny_base() if cfg.model == M.TINY else cfg.model)
+    path = model_path(cfg)
     tok = M.load_tokenizer(path, cfg.trust_remote_code)
     template = Path(cfg.prompt_template).read_text() if cfg.prompt_template else None
     train_set, train_prompts = encode_prompts(cfg, tok, train_set, template, "training")
