@@ -51,7 +51,7 @@ class VLLMEngine:
 
     def __init__(
         self, model_path: str, max_model_len: int, seed: int = 0, dtype: str = "auto", gpu_memory_utilization: float = 0.5,
-        tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1, trust_remote_code: bool = False,
         kv_cache_gib: int = 1, external_launcher: bool = False,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -76,7 +76,7 @@ class VLLMEngine:
         if on_cpu:
             kwargs["enforce_eager"] = True
         else:
-            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         try:
             self.llm = LLM(**kwargs)
         finally:
