@@ -6,12 +6,17 @@ REQ := $(if $(GPU),requirements.txt,requirements-cpu.txt)
 STAMP := .venv/.installed-$(basename $(REQ))
 ARGS ?=
 
-.PHONY: demo test clean
+.PHONY: demo test bench clean
 demo: $(STAMP)
 	$(PY) train.py $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(ARGS)
+
+# the step-time table of README (bench.py); TRL is only needed for its comparison row
+bench: $(STAMP)
+	$(PY) -m pip install -q trl==1.16.0 accelerate==1.15.0
+	$(PY) bench.py $(ARGS)
 
 $(STAMP): $(REQ)
 	test -x $(PY) || python3 -m venv .venv

@@ -60,7 +60,7 @@ PANELS = [  # (title, [(metric, label)])
     ("response length (tokens)", [("response_len_mean", "mean")]),
     ("KL to reference / engine", [("kl", "KL (policy || ref)"), ("gen_kl_error", "gen_kl_error")]),
     ("clip fraction", [("clip_frac_low", "low"), ("clip_frac_high", "high")]),
-    ("seconds per step", [("time_step", "step"), ("time_generate", "generate"), ("time_train", "train")]),
+    ("seconds per step", [("time_step", "step"), ("time_generate", "generate"), ("time_update", "update")]),
 ]
 
 

@@ -30,19 +30,31 @@ class Sample:
 class Engine(Protocol):
     def generate(
         self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-        seed: int | None = None, progress: bool = False,
+        seed: int | None = None, progress: bool = False, min_tokens: int = 0,
     ) -> list[Sample]:
         """n samples for each prompt, ordered prompt-major: samples of prompt i are [i*n, (i+1)*n).
-        progress: show a progress bar (long rollouts on GPUs)."""
+        progress: show a progress bar (long rollouts on GPUs). min_tokens: EOS is masked before this many tokens
+        (fixed-length benchmark workloads)."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights with the trainer's (HF names, full tensors), in place."""
+        """Replace the engine's weights with the trainer's (HF names, full tensors), in place; wakes a sleeping
+        engine."""
+        ...
+
+    def sleep(self) -> None:
+        """Give the engine's accelerator memory (KV cache) to the trainer until the next load_weights."""
         ...
 
 
 class VLLMEngine:
     """vLLM's offline LLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), colocated with the trainer.
+
+    On GPU it sleeps between rollouts (vLLM sleep mode, level 1: the KV cache is freed and the weights wait in CPU
+    memory), so the logprob and update passes get the KV cache's memory back. The order is what keeps it correct:
+    a sleeping engine refuses to generate, and load_weights wakes the weights *before* writing the new ones into
+    them (waking after the refit would copy the old weights back over the new: TRL's stale-weights bug), then
+    wakes the KV cache and drops cached prefixes. vLLM has no sleep mode on CPU; there sleep() does nothing.
 
     On CPU it guards the trainer's threads: vLLM's CPU worker binds OpenMP threads to cores, drops torch to one
     thread, and replaces torch.set_num_threads with a no-op; a colocated trainer would silently lose a core. We
@@ -57,6 +69,7 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-refit INFO lines would drown the progress bar
         on_cpu = not torch.cuda.is_available()
+        self.can_sleep, self.asleep = not on_cpu, False
         if on_cpu:
             dtype = "float32" if dtype == "auto" else dtype  # vLLM's auto would run float32 weights in bfloat16
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -77,6 +90,7 @@ class VLLMEngine:
             kwargs["enforce_eager"] = True
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = True
         try:
             self.llm = LLM(**kwargs)
         finally:
@@ -88,13 +102,16 @@ class VLLMEngine:
         if torch.get_num_threads() != threads:
             raise RuntimeError(f"vLLM start-up changed torch threads {threads} -> {torch.get_num_threads()}")
 
-    def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False) -> list[Sample]:
+    def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False,
+                 min_tokens=0) -> list[Sample]:
         from vllm import SamplingParams, TokensPrompt
 
+        if self.asleep:  # waking here would sample from the weights it slept with, not the trainer's newest
+            raise RuntimeError("the vLLM engine is asleep: load_weights (the refit) wakes it")
         # One seed per prompt: a single seed shared by all requests would feed every prompt the same random
         # draws, correlating samples across groups.
         sps = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
-                              seed=None if seed is None else seed * 1_000_003 + i) for i in range(len(prompts))]
+                              min_tokens=min_tokens, seed=None if seed is None else seed * 1_000_003 + i) for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=progress)
         samples = []
         for i, out in enumerate(outs):
@@ -105,9 +122,19 @@ class VLLMEngine:
         return samples
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])  # first: waking restores the weights it slept with
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.collective_rpc(_retie_lm_head)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+
+    def sleep(self) -> None:
+        if self.can_sleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
 
 
 def _retie_lm_head(worker) -> None:
@@ -134,7 +161,8 @@ class HFEngine:
         self.batch_size = batch_size
 
     @torch.no_grad()
-    def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False) -> list[Sample]:
+    def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False,
+                 min_tokens=0) -> list[Sample]:
         from tqdm import tqdm
 
         if seed is not None:
@@ -142,10 +170,10 @@ class HFEngine:
         flat = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
         samples = []
         for s in tqdm(range(0, len(flat), self.batch_size), desc="generate", disable=not progress, leave=False):
-            samples += self._generate_batch(flat[s : s + self.batch_size], max_tokens, temperature, top_p)
+            samples += self._generate_batch(flat[s : s + self.batch_size], max_tokens, temperature, top_p, min_tokens)
         return samples
 
-    def _generate_batch(self, flat, max_tokens, temperature, top_p) -> list[Sample]:
+    def _generate_batch(self, flat, max_tokens, temperature, top_p, min_tokens=0) -> list[Sample]:
         width = max(len(p) for _, p in flat)
         ids = torch.full((len(flat), width), self.pad, dtype=torch.long)  # left-padded for generate
         am = torch.zeros_like(ids)
@@ -154,9 +182,13 @@ class HFEngine:
             am[r, width - len(p) :] = 1
         greedy = temperature == 0
         out = self.model.generate(
-            input_ids=ids, attention_mask=am, max_new_tokens=max_tokens, do_sample=not greedy,
+            input_ids=ids, attention_mask=am, max_new_tokens=max_tokens, min_new_tokens=min_tokens or None, do_sample=not greedy,
             temperature=None if greedy else temperature, top_p=None if greedy else top_p, top_k=None,
             eos_token_id=self.eos, pad_token_id=self.pad, output_logits=True, return_dict_in_generate=True,
+            # On CPU a KV cache preallocated for prompt + max_tokens saves re-concatenating the whole cache at every
+            # token (measured: ~7% of generate on the tiny model). On GPU transformers would torch.compile the
+            # model for a static cache, once per new batch shape, so there the growing cache stays.
+            cache_implementation="static" if self.model.device.type == "cpu" else None,
         )
         new = out.sequences[:, width:]  # [N, t]
         logits = torch.stack(out.logits, dim=1).float()  # [N, t, V] raw logits of each step
@@ -167,6 +199,9 @@ class HFEngine:
             k = toks.index(self.eos) + 1 if self.eos in toks else len(toks)
             samples.append(Sample(i, toks[:k], logp[r, :k].tolist(), truncated=self.eos not in toks[:k]))
         return samples
+
+    def sleep(self) -> None:
+        """Nothing to free: generate keeps no cache between calls."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.model.named_parameters())

@@ -63,6 +63,7 @@ class Config:
     minibatch_size: int = 0  # sequences per optimizer step; 0 = the whole step's P*G samples (one update per step)
     micro_batch_tokens: int = 8192  # token budget of one forward/backward (padded tokens); bounds activation memory
     max_new_tokens: int = 8  # response length limit
+    min_new_tokens: int = 0  # training responses are at least this long (EOS masked before): fixed-length benchmarks
     max_seq_len: int = 64  # prompt + response; prompts longer than max_seq_len - max_new_tokens are rejected
     temperature: float = 1.0  # sampling temperature (the trainer's logprobs use the same one)
     top_p: float = 1.0  # nucleus sampling; keep 1.0 for training (the trainer does not renormalize)
@@ -283,9 +284,9 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
                   group_offset: int = 0):
     """Steps 5 and 6 of DESIGN.md on this rank's share of the batch: old/reference logprobs, then one AdamW step
     per minibatch (loss over token-budget micro-batches, gradients summed over ranks by FSDP, clipped). Returns summed
-    metrics, the last gradient norm, the old logprobs [N, T] and how many updates were skipped for a non-finite
-    gradient. group_offset: global index of this rank's first
-    group (rank * prompts per rank)."""
+    metrics, the last gradient norm, the old logprobs [N, T], how many updates were skipped for a non-finite
+    gradient, and the seconds spent in step 5 (0 when it needs no pass of its own). group_offset: global index of
+    this rank's first group (rank * prompts per rank)."""
     N, G = len(b.lengths), cfg.group_size
     # Minibatch k holds the groups whose global index j has j % n_minibatches == k: whole groups, and the same
     # global composition at any world size (a contiguous split per rank would mix different groups). Every rank
@@ -297,6 +298,7 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
     #    so old_logp is the detached logp of the training forward itself and needs no pass of its own.
     old_logp = torch.zeros_like(b.gen_logp)  # [N, T]
     ref_logp = torch.zeros_like(b.gen_logp)  # [N, T]
+    t0 = time.time()
     for rows in _equal_micro_batches(b, list(range(N)), cfg) if (not single or ref is not None) else []:
         mb = rows_of(b, rows or [0])
         for m, out in ((policy, old_logp), (ref, ref_logp)):
@@ -304,6 +306,7 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
                 lp = _logprobs(m, mb, cfg, device, grad=False)[0].cpu()
                 if rows:
                     out[rows, : mb["T"]] = lp
+    t_logprobs = time.time() - t0
     # 6. minibatch updates: loss -> backward -> grad clip -> AdamW step; micro-batches sized by tokens
     policy.train()
     sums: dict[str, float] = {}
@@ -342,7 +345,7 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
         opt.zero_grad(set_to_none=True)
     bar.close()
     policy.eval()
-    return sums, float(grad_norm), old_logp, skipped
+    return sums, float(grad_norm), old_logp, skipped, t_logprobs
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -411,6 +414,8 @@ def validate(cfg: Config, world: int) -> None:
                                      and (cfg.prompts_per_step * cfg.group_size) % cfg.minibatch_size == 0),
          f"--minibatch-size {cfg.minibatch_size}: must be a multiple of --group-size {cfg.group_size} (whole "
          f"groups) dividing prompts_per_step * group_size = {cfg.prompts_per_step * cfg.group_size}"),
+        (0 <= cfg.min_new_tokens <= cfg.max_new_tokens,
+         f"--min-new-tokens {cfg.min_new_tokens}: must be in [0, --max-new-tokens {cfg.max_new_tokens}]"),
         (0 < cfg.max_new_tokens < cfg.max_seq_len,
          f"--max-new-tokens {cfg.max_new_tokens}: must be positive and below --max-seq-len {cfg.max_seq_len}"),
         (cfg.lr > 0, f"--lr {cfg.lr}: must be positive"),
@@ -524,7 +529,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
             t = time.time()
             new = engine.generate([train_prompts[i] for i in ids], n=G, max_tokens=cfg.max_new_tokens,
                                   temperature=cfg.temperature, top_p=cfg.top_p, progress=_bars(cfg),
-                                  seed=cfg.seed * 100_003 + step * 1009 + tries * 101 + dp_rank)
+                                  min_tokens=cfg.min_new_tokens, seed=cfg.seed * 100_003 + step * 1009 + tries * 101 + dp_rank)
             t_gen += time.time() - t
             t = time.time()
             r = torch.tensor(score(cfg.task, tok, new, [train_set[i] for i in ids])).view(len(ids), G)  # [P, G]
@@ -537,6 +542,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
                 break
             if dist.all_reduce_sum(torch.tensor([float(len(kept) < share)])).item() == 0:
                 break
+        engine.sleep()  # on GPU the trainer gets the KV cache's memory until the refit wakes the engine
         kept = kept[tp_rank * per_rank : (tp_rank + 1) * per_rank]
         if not kept:  # nothing informative: one zero-advantage group keeps every rank's batch non-empty
             kept = [(ids[0], new[:G], r[0])]
@@ -548,8 +554,9 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         # 4. advantages
         adv = grpo.group_advantages(rewards, cfg.leave_one_out, cfg.normalize_std)  # [P, G]
         b = make_batch(prompts, samples, adv.flatten(), cfg.overlong_filter, tok.pad_token_id)
+        t_batch = time.time()
         # 5-6. old (and reference) logprobs, then minibatch updates
-        sums, grad_norm, old_logp, skipped = update_policy(policy, ref, opt, sched, b, cfg, loss_cfg, device,
+        sums, grad_norm, old_logp, skipped, t_logprobs = update_policy(policy, ref, opt, sched, b, cfg, loss_cfg, device,
                                                            rank * per_rank)
         bad_steps = bad_steps + 1 if skipped else 0
         if bad_steps >= cfg.max_skipped_steps:
@@ -577,8 +584,8 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
             gen_kl_error=tot["gen_kl_error"] / n_tok, truncated_frac=tot["truncated"] / n_seq,
             zero_var_group_frac=tot["zero_var_groups"] / tot["groups"], adv_mean=adv_mean, skipped_updates=skipped,
             adv_std=max(tot["adv_sq"] / n_seq - adv_mean**2, 0.0) ** 0.5, generation_rounds=tries,
-            lr=sched.get_last_lr()[0], time_generate=t1 - t0, time_score=t2 - t1, time_train=t3 - t2,
-            time_refit=t4 - t3,
+            lr=sched.get_last_lr()[0], time_generate=t1 - t0, time_score=t2 - t1, time_logprobs=t_logprobs,
+            time_update=t3 - t_batch - t_logprobs, time_refit=t4 - t3,
         )
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             last_eval = evaluate(engine, tok, cfg, heldout, heldout_prompts, seed=cfg.seed + step)

@@ -91,14 +91,14 @@ def test_nan_in_the_loss_skips_the_update_and_keeps_the_weights(tiny_path, tok):
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
-    _, grad_norm, _, skipped = train.update_policy(policy, None, opt, sched, b, cfg, grpo.LossConfig(),
+    _, grad_norm, _, skipped, _ = train.update_policy(policy, None, opt, sched, b, cfg, grpo.LossConfig(),
                                                    torch.device("cpu"))
     assert skipped == 1 and not torch.isfinite(torch.tensor(grad_norm))
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
     assert not opt.state and sched.last_epoch == 0  # AdamW's moments and the schedule did not move
     # the same batch without the NaN does update
     b.advantages[3] = 0.5
-    _, _, _, skipped = train.update_policy(policy, None, opt, sched, b, cfg, grpo.LossConfig(), torch.device("cpu"))
+    _, _, _, skipped, _ = train.update_policy(policy, None, opt, sched, b, cfg, grpo.LossConfig(), torch.device("cpu"))
     assert skipped == 0 and any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())
 
 
