@@ -14,8 +14,8 @@ log-ratio between policy and reference. What is *new* is one loss and one data l
     loss   = sum over the global batch of l_i / number of pairs in the global batch
 
 The demo (no --data): the built-in tiny base model (pretrained with 65% careless "a+b" answers to "a+b+c=") on a
-synthetic preference set: chosen = the right sum, rejected = the careless a+b (or, when c = 0 or in 25% of pairs,
-another wrong number). It reports held-out preference accuracy (pairs of the 200 held-out prompts) and held-out task
+synthetic preference set: chosen = the right sum, rejected = the careless a+b or another wrong number (two pairs
+per prompt). It reports held-out preference accuracy (pairs of the 200 held-out prompts) and held-out task
 accuracy (greedy and pass@1 over 4 samples at T = 1, the same figures as GRPO's demo, via rollout.HFEngine).
 
 What it does not do: generate during training (DPO is offline), reward models, or multi-turn losses (only the
@@ -63,11 +63,11 @@ class DPOConfig:
     beta: float = 0.1  # strength of the tie to the reference model (DPO's KL coefficient; IPO's target 1/(2 beta))
     label_smoothing: float = 0.0  # DPO only: probability eps that a label is flipped (conservative DPO), in [0, 0.5)
     # batch shape and optimizer
-    steps: int = 150  # optimizer steps
-    batch_size: int = 32  # pairs per optimizer step, over all ranks
+    steps: int = 200  # optimizer steps
+    batch_size: int = 64  # pairs per optimizer step, over all ranks
     micro_batch_tokens: int = 8192  # token budget of one forward/backward (padded tokens of both rows of each pair)
     max_seq_len: int = 64  # prompt + the longer response; longer pairs are dropped, counted and reported
-    lr: float = 2e-4  # AdamW learning rate
+    lr: float = 1e-4  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_steps: int = 0  # linear LR warm-up, in optimizer steps
     grad_clip: float = 1.0  # max global gradient norm
@@ -209,18 +209,18 @@ def load_pairs(path: str, prompt_field: str = "prompt", chosen_field: str = "cho
     return rows
 
 
-def sum3_pairs(problems: list[data.Problem], seed: int, careless: float = 0.75) -> list[PrefRow]:
-    """The demo's synthetic preferences: one pair per prompt "a+b+c=", chosen = the right sum. Rejected = the
-    careless a+b that the base model prefers (with probability `careless`, and only when c != 0, where it differs),
-    else another wrong number in 0..27, so that the model learns "right beats wrong", not only "not a+b"."""
+def sum3_pairs(problems: list[data.Problem], seed: int) -> list[PrefRow]:
+    """The demo's synthetic preferences: two pairs per prompt "a+b+c=", both with chosen = the right sum. The first
+    rejects the careless a+b that the base model prefers (when c != 0; when c = 0 it *is* the right sum, so another
+    wrong number in 0..27 instead), the second another wrong number: rejecting only a+b would teach "not a+b",
+    and the probability it loses could go to any other wrong answer as well as to the right one."""
     rng = random.Random(seed)
     rows = []
     for p in problems:
         a, b, c = (int(x) for x in p.prompt.rstrip("=").split("+"))
-        wrong = a + b
-        if c == 0 or rng.random() >= careless:
-            wrong = rng.choice([n for n in range(28) if n != a + b + c])
-        rows.append(PrefRow(p.prompt, p.answer, str(wrong)))
+        others = rng.sample([n for n in range(28) if n not in (a + b + c, a + b)], 2)
+        for wrong in ([a + b] if c else others[1:]) + others[:1]:
+            rows.append(PrefRow(p.prompt, p.answer, str(wrong)))
     return rows
 
 
