@@ -6,9 +6,12 @@ REQ := $(if $(GPU),requirements.txt,requirements-cpu.txt)
 STAMP := .venv/.installed-$(basename $(REQ))
 ARGS ?=
 
-.PHONY: demo test bench clean
+.PHONY: demo dpo test bench clean
 demo: $(STAMP)
 	$(PY) train.py $(ARGS)
+
+dpo: $(STAMP)
+	$(PY) dpo.py $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(ARGS)

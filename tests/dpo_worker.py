@@ -1,0 +1,72 @@
+"""Run under torchrun by tests/test_dpo.py (and called in-process there for one rank): DPO updates on a fixed
+global batch of preference pairs, every configuration of CONFIGS in one launch; rank 0 saves the weights.
+
+  python tests/dpo_worker.py OUT_PREFIX     writes OUT_PREFIX.<config>.pt for every config
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import data  # noqa: E402
+import distributed as dist  # noqa: E402
+import dpo  # noqa: E402
+import model as M  # noqa: E402
+import train  # noqa: E402
+
+# name: (micro_batch_tokens, optimizer steps, lr, loss, label smoothing, optimizer)
+CONFIGS = {
+    "dpo-one-micro-batch": (10_000, 1, 1e-3, "dpo", 0.0, "adamw"),
+    # several micro-batches of uneven count per rank (padded with empty passes), and a second step whose
+    # gradients depend on the first. Adam's first steps move each weight by ~lr * sign(g), so float32 summation
+    # noise in near-zero gradients shows at ~lr scale: a smaller lr, as in tests/test_distributed.py.
+    "conservative-dpo-micro-batched-2-steps": (40, 2, 1e-4, "dpo", 0.2, "adamw"),
+    "ipo-micro-batched": (40, 1, 1e-3, "ipo", 0.0, "adamw"),
+    # Adam (and clipping) hide a gradient that is off by a constant factor, such as a per-rank instead of a global
+    # normalizer: plain SGD without clipping moves each weight by exactly lr * gradient.
+    "dpo-sgd-micro-batched": (40, 1, 1.0, "dpo", 0.0, "sgd"),
+}
+
+
+def fixed_global_batch(tok, n: int = 16, seed: int = 0) -> list[dpo.Pair]:
+    """The same global batch at every world size: sum3 prompts with random responses of 1-6 tokens (+ EOS), so
+    the rows of a pair and the pairs of a batch have different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    train_set, _ = data.sum3_split()
+    pairs = []
+    for p in train_set[:n]:
+        resp = [tuple(torch.randint(4, 20, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist())
+                + (tok.eos_token_id,) for _ in range(2)]
+        pairs.append(dpo.Pair(tuple(tok(p.prompt)["input_ids"]), resp[0], resp[1]))
+    return pairs
+
+
+def updates(out_prefix: str) -> None:
+    rank, world = dist.init(120)
+    path = train.tiny_base()
+    tok = M.load_tokenizer(path)
+    pairs = fixed_global_batch(tok)
+    cpu = torch.device("cpu")
+    for name, (micro_tokens, steps, lr, loss, eps, optimizer) in CONFIGS.items():
+        cfg = dpo.DPOConfig(micro_batch_tokens=micro_tokens, lr=lr, loss=loss, label_smoothing=eps, beta=0.5,
+                            grad_clip=1.0 if optimizer == "adamw" else 1e9)
+        torch.manual_seed(0)
+        policy = train.load_trainable(path, cpu, bf16=False, checkpointing=False)
+        ref = train.load_trainable(path, cpu, bf16=False, checkpointing=False).eval().requires_grad_(False)
+        opt = (torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay) if optimizer == "adamw"
+               else torch.optim.SGD(policy.parameters(), lr=cfg.lr))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        for step in range(steps):
+            batch = pairs[step * 8 :] + pairs[: step * 8]  # a different global order each step
+            mine = batch[rank * len(batch) // world : (rank + 1) * len(batch) // world]
+            dpo.update(policy, ref, opt, sched, mine, len(batch), cfg, cpu, tok.pad_token_id)
+        state = dist.full_state_dict(policy.lm)
+        if dist.is_main():
+            torch.save({k: v.clone() for k, v in state.items()}, f"{out_prefix}.{name}.pt")
+    dist.close()
+
+
+if __name__ == "__main__":
+    updates(sys.argv[1])
