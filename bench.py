@@ -42,7 +42,10 @@ class BenchConfig:
     steps: int = 10  # steps per run on the tiny model; the first is warm-up and left out of the medians
     large_steps: int = 3  # steps per run on the ~25M model (a step takes tens of seconds on 2 CPU cores)
     models: list[Literal["tiny", "25m"]] = field(default_factory=lambda: ["tiny", "25m"])
-    engines: list[Literal["hf", "vllm", "trl"]] = field(default_factory=lambda: ["hf", "vllm", "trl"])
+    # trl: TRL's GRPOTrainer with gradient checkpointing off, like train.py (the same compute: the fair match);
+    # trl-defaults: as GRPOConfig comes, gradient checkpointing on (a recompute of every layer in backward)
+    engines: list[Literal["hf", "vllm", "trl", "trl-defaults"]] = field(
+        default_factory=lambda: ["hf", "vllm", "trl", "trl-defaults"])
     out: str = "runs/bench"  # where results.json and table.md are written
     # internal: run one configuration in this process and write its JSON result here
     one: str = ""
@@ -106,19 +109,22 @@ def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int) -> dict:
     prompt_len = statistics.mean(len(tok(t)["input_ids"]) for texts in step_prompts(cfg, steps) for t in texts)
     res["train_tokens_per_s"] = n_seq * (prompt_len + cfg.new_tokens) / (res["logprobs"] + res["update"])
     res["peak_gib"] = train.peak_memory_gib(torch.device("cpu"))
-    res["direct_generate"] = direct_generate(cfg, engine_name, engine, path, steps - 1)
+    res["wrapped_generate"], res["direct_generate"] = wrapper_vs_direct(cfg, engine_name, engine, path, steps - 1)
     return res
 
 
-def direct_generate(cfg: BenchConfig, engine_name: str, engine, path: str, repeats: int) -> float:
-    """Median seconds of the engine's own generate on the steps' prompts, called the plainest way that yields
-    the same samples with the same engine settings (vLLM: one SamplingParams with logprobs; HF: model.generate
-    on the padded batch, with the static KV cache the HF engine uses on CPU)."""
+def wrapper_vs_direct(cfg: BenchConfig, engine_name: str, engine, path: str, repeats: int) -> tuple[float, float]:
+    """Median seconds of our engine's generate and of the engine's own generate, called alternately on the same
+    prompts (the steps' prompts), so that drifts in machine speed hit both alike. "Own generate" is the plainest
+    call that yields the same samples with the same engine settings (vLLM: one SamplingParams with logprobs; HF:
+    model.generate on the padded batch, with the static KV cache the HF engine uses on CPU)."""
     tok = M.load_tokenizer(path)
-    prompts = step_prompts(cfg, repeats)
-    times = []
-    for texts in prompts:
+    wrapped, direct = [], []
+    for k, texts in enumerate(step_prompts(cfg, repeats)):
         ids = [tok(t)["input_ids"] for t in texts]
+        t0 = time.time()
+        engine.generate(ids, n=cfg.group_size, max_tokens=cfg.new_tokens, min_tokens=cfg.new_tokens, seed=k)
+        wrapped.append(time.time() - t0)
         t0 = time.time()
         if engine_name == "vllm":
             from vllm import SamplingParams, TokensPrompt
@@ -134,11 +140,11 @@ def direct_generate(cfg: BenchConfig, engine_name: str, engine, path: str, repea
                                       num_return_sequences=cfg.group_size, pad_token_id=tok.pad_token_id,
                                       eos_token_id=tok.eos_token_id,
                                       cache_implementation="static" if engine.model.device.type == "cpu" else None)
-        times.append(time.time() - t0)
-    return statistics.median(times)
+        direct.append(time.time() - t0)
+    return statistics.median(wrapped), statistics.median(direct)
 
 
-def run_trl(cfg: BenchConfig, path: str, steps: int) -> dict:
+def run_trl(cfg: BenchConfig, path: str, steps: int, gradient_checkpointing: bool) -> dict:
     """The same workload through TRL's GRPOTrainer (HF generate, one update per generation batch, no KL)."""
     try:
         import datasets
@@ -180,7 +186,7 @@ def run_trl(cfg: BenchConfig, path: str, steps: int) -> dict:
             num_generations=cfg.group_size, max_completion_length=cfg.new_tokens, temperature=1.0,
             generation_kwargs={"min_new_tokens": cfg.new_tokens}, learning_rate=2e-4, beta=0.0, num_iterations=1,
             use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, seed=0,
-            disable_tqdm=True, dataloader_num_workers=0,
+            disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=gradient_checkpointing,
         )
         trainer = GRPOTrainer(model=path, reward_funcs=exact, args=args, train_dataset=ds,
                               processing_class=M.load_tokenizer(path), callbacks=[StepTimer()])
@@ -197,7 +203,10 @@ def run_one(cfg: BenchConfig) -> None:
     engine_name, model_name = cfg.one.split(":")
     path = model_for(model_name)
     steps = cfg.steps if model_name == "tiny" else cfg.large_steps
-    res = run_trl(cfg, path, steps) if engine_name == "trl" else run_ours(cfg, engine_name, path, steps)
+    if engine_name.startswith("trl"):
+        res = run_trl(cfg, path, steps, gradient_checkpointing=engine_name == "trl-defaults")
+    else:
+        res = run_ours(cfg, engine_name, path, steps)
     Path(cfg.result).write_text(json.dumps(res))
 
 
@@ -206,26 +215,30 @@ def table(results: dict, cfg: BenchConfig) -> str:
     lines = [f"{cfg.prompts} prompts x {cfg.group_size} samples x {cfg.new_tokens} new tokens, one update per step; "
              "median seconds per step (first step left out)", "",
              "| model | engine | step | generate | score | old logprobs | update | refit | everything else "
-             "| gen tok/s | train tok/s | direct generate | peak GiB | step vs TRL |",
+             "| gen tok/s | train tok/s | peak GiB | generate: ours / engine's own | step vs TRL (matched / defaults) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (model_name, engine_name), r in results.items():
         if "error" in r:
             lines.append(f"| {model_name} | {engine_name} | {r['error']} |")
             continue
-        trl = results.get((model_name, "trl"), {})
-        vs = f"{r['step'] / trl['step']:.2f}x" if "step" in trl and engine_name != "trl" else "-"
+        vs = "-"
+        if not engine_name.startswith("trl"):
+            vs = " / ".join(f"{r['step'] / t['step']:.2f}x" if "step" in t else "-"
+                            for t in (results.get((model_name, e), {}) for e in ("trl", "trl-defaults")))
         direct = r.get("direct_generate")
-        direct_s = f"{f(direct)} ({r['generate'] / direct - 1:+.0%})" if direct else "-"
+        direct_s = f"{f(r['wrapped_generate'])} / {f(direct)} ({r['wrapped_generate'] / direct - 1:+.0%})" if direct else "-"
         other = r.get("other")
         other_s = "-" if other is None else f"{other:.3f} ({other / r['step']:.0%})"
         lines.append(
             f"| {model_name} | {engine_name} | {f(r['step'])} | {f(r['generate'])} | {f(r.get('score'))} | "
             f"{f(r.get('logprobs'))} | {f(r.get('update'))} | {f(r.get('refit'))} | "
             f"{other_s} | {f(r['gen_tokens_per_s'], 0)} | "
-            f"{f(r.get('train_tokens_per_s'), 0)} | {direct_s} | {f(r['peak_gib'], 2)} | {vs} |")
+            f"{f(r.get('train_tokens_per_s'), 0)} | {f(r['peak_gib'], 2)} | {direct_s} | {vs} |")
     lines.append("")
     lines.append("TRL's update column is its step minus generate and score (it has no refit: the same model "
-                 "generates and trains).")
+                 "generates and trains). trl: gradient checkpointing off, as train.py by default (the same compute); "
+                 "trl-defaults: GRPOConfig's default, gradient checkpointing on. 'generate: ours / engine's own': "
+                 "medians of the two called alternately on the same prompts after the run.")
     return "\n".join(lines)
 
 
@@ -242,7 +255,8 @@ def main(cfg: BenchConfig) -> None:
             res_file = out / f"{engine_name}-{model_name}.json"
             cmd = [sys.executable, __file__, "--one", f"{engine_name}:{model_name}", "--result", str(res_file),
                    *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in asdict(cfg).items()
-                         if k in ("prompts", "group_size", "new_tokens", "steps", "large_steps")), [])]
+                         if k in ("prompts", "group_size", "new_tokens", "steps", "large_steps")), []),
+                   ]
             t0 = time.time()
             print(f"bench: {engine_name} on {model_name} ...", flush=True, end=" ")
             r = subprocess.run(cmd, capture_output=True, text=True)
@@ -250,7 +264,7 @@ def main(cfg: BenchConfig) -> None:
                 res = {"error": "failed: " + (r.stderr.strip().splitlines() or ["?"])[-1][:200]}
             else:
                 res = json.loads(res_file.read_text())
-                if engine_name == "trl" and "error" not in res:
+                if engine_name.startswith("trl") and "error" not in res:
                     res["update"] = res["step"] - res["generate"] - res["score"]
             print(f"{time.time() - t0:.0f}s", flush=True)
             results[(model_name, engine_name)] = res

@@ -27,17 +27,19 @@ def torchrun(n: int, *args, timeout=300) -> subprocess.CompletedProcess:
     return r
 
 
-@pytest.mark.parametrize("micro_tokens,minibatches,lr", [
-    (10_000, 1, 1e-3),  # one optimizer step, one micro-batch per rank
-    (12, 1, 1e-3),  # one optimizer step over several micro-batches (and activation checkpointing)
+@pytest.mark.parametrize("micro_tokens,minibatches,lr,opt", [
+    # plain SGD without clipping moves each weight by -lr * its gradient, so a gradient off by a constant factor
+    # (a wrong normalizer or rank scaling) shows; Adam and clipping would hide such a factor
+    (10_000, 1, 1.0, "sgd"),  # one optimizer step, one micro-batch per rank
+    (12, 1, 1e-3, "adamw"),  # one optimizer step over several micro-batches (and activation checkpointing)
     # two minibatches: the second step sees ratios != 1 and KL != 0. Adam's first steps move each weight by
     # ~lr * sign(g), so float32 summation-order noise in near-zero gradients shows up at ~lr scale: smaller lr.
-    (12, 2, 1e-4),
-], ids=["one-micro-batch", "micro-batched", "two-minibatches"])
-def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens, minibatches, lr):
+    (12, 2, 1e-4, "adamw"),
+], ids=["sgd-one-micro-batch", "micro-batched", "two-minibatches"])
+def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens, minibatches, lr, opt):
     results = {}
     for n in (1, 2):
-        r = torchrun(n, "update", tmp_path / f"w{n}.pt", micro_tokens, minibatches, lr)
+        r = torchrun(n, "update", tmp_path / f"w{n}.pt", micro_tokens, minibatches, lr, opt)
         assert r.returncode == 0, r.stderr[-3000:]
         results[n] = torch.load(tmp_path / f"w{n}.pt")
     for k, w1 in results[1].items():
@@ -46,7 +48,7 @@ def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens
 
     init = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
     moved = max((results[1][k] - init[k]).abs().max().item() for k in results[1])
-    assert moved > 0.5 * lr  # the update really changed the weights
+    assert moved > (0.5 * lr if opt == "adamw" else 1e-3)  # the update really changed the weights
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["engine-per-rank", "tensor-parallel-2"])
