@@ -55,21 +55,13 @@ class BenchConfig:
 def large_model() -> str:
     """A ~25M-parameter Qwen2 (hidden 512, 8 layers, 8 heads of dim 64), randomly initialized, with the tiny
     model's tokenizer; built once into the model cache (weights are random: timing does not depend on them)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     out = M.DEFAULT_CACHE / "bench-25m-v1"
-    if (out / "config.json").exists():
-        return str(out)
-    tok = M.tiny_tokenizer()
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    lm = Qwen2ForCausalLM(cfg)
-    tmp = Path(tempfile.mkdtemp(dir=M.DEFAULT_CACHE, prefix=".tmp-"))
-    lm.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.rename(tmp, out)
+    if not (out / "config.json").exists():
+        tok = M.tiny_tokenizer()
+        torch.manual_seed(0)
+        M.save_new(out, Qwen2ForCausalLM(M.tiny_config(len(tok), hidden=512, intermediate=1408, layers=8)), tok)
     return str(out)
 
 
@@ -109,16 +101,15 @@ def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int) -> dict:
     prompt_len = statistics.mean(len(tok(t)["input_ids"]) for texts in step_prompts(cfg, steps) for t in texts)
     res["train_tokens_per_s"] = n_seq * (prompt_len + cfg.new_tokens) / (res["logprobs"] + res["update"])
     res["peak_gib"] = train.peak_memory_gib(torch.device("cpu"))
-    res["wrapped_generate"], res["direct_generate"] = wrapper_vs_direct(cfg, engine_name, engine, path, steps - 1)
+    res["wrapped_generate"], res["direct_generate"] = wrapper_vs_direct(cfg, engine_name, engine, tok, steps - 1)
     return res
 
 
-def wrapper_vs_direct(cfg: BenchConfig, engine_name: str, engine, path: str, repeats: int) -> tuple[float, float]:
+def wrapper_vs_direct(cfg: BenchConfig, engine_name: str, engine, tok, repeats: int) -> tuple[float, float]:
     """Median seconds of our engine's generate and of the engine's own generate, called alternately on the same
     prompts (the steps' prompts), so that drifts in machine speed hit both alike. "Own generate" is the plainest
     call that yields the same samples with the same engine settings (vLLM: one SamplingParams with logprobs; HF:
     model.generate on the padded batch, with the static KV cache the HF engine uses on CPU)."""
-    tok = M.load_tokenizer(path)
     wrapped, direct = [], []
     for k, texts in enumerate(step_prompts(cfg, repeats)):
         ids = [tok(t)["input_ids"] for t in texts]

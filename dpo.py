@@ -22,7 +22,6 @@ What it does not do: generate during training (DPO is offline), reward models, o
 last assistant message of a conversation is the response). `python dpo.py export CKPT OUT` exports a saved step.
 """
 
-import importlib.util
 import json
 import os
 import random
@@ -396,24 +395,12 @@ def validate(cfg: DPOConfig, world: int) -> None:
          f"--label-smoothing {cfg.label_smoothing}: only for --loss dpo (IPO has no labels to smooth)"),
         (cfg.batch_size >= world and cfg.batch_size % world == 0,
          f"--batch-size {cfg.batch_size}: must be a positive multiple of the {world} ranks"),
-        (cfg.steps >= 1, f"--steps {cfg.steps}: must be at least 1"),
-        (cfg.lr > 0, f"--lr {cfg.lr}: must be positive"),
         (cfg.max_seq_len >= 2, f"--max-seq-len {cfg.max_seq_len}: must be at least 2"),
         (0 < cfg.max_new_tokens < cfg.max_seq_len,
          f"--max-new-tokens {cfg.max_new_tokens}: must be positive and below --max-seq-len {cfg.max_seq_len}"),
         (0.0 <= cfg.val_fraction < 1.0, f"--val-fraction {cfg.val_fraction}: must be in [0, 1)"),
-        (cfg.model == M.TINY or os.path.isdir(cfg.model) or cfg.model.count("/") == 1,
-         f"--model {cfg.model}: no such folder, and not a hub name like org/name"),
-        (train._writable(Path(cfg.out_dir or "runs")), f"--out-dir {cfg.out_dir or 'runs'}: cannot be written"),
-        (cfg.max_skipped_steps >= 1, f"--max-skipped-steps {cfg.max_skipped_steps}: must be at least 1"),
-        (not cfg.tensorboard or importlib.util.find_spec("tensorboard") is not None,
-         "--tensorboard: needs the tensorboard package (pip install tensorboard)"),
-        (not cfg.wandb_project or importlib.util.find_spec("wandb") is not None,
-         f"--wandb-project {cfg.wandb_project}: needs the wandb package (pip install wandb)"),
     ]
-    for ok, msg in checks:
-        if not ok:
-            raise SystemExit(f"error: {msg}")
+    train.check(checks + train.run_checks(cfg))
 
 
 def train_dpo(cfg: DPOConfig) -> dict:
@@ -459,12 +446,7 @@ def train_dpo(cfg: DPOConfig) -> dict:
     log = RunLog(out, cfg.tensorboard, cfg.wandb_project, asdict(cfg)) if dist.is_main() else None
     ckpt = dist.latest_checkpoint(out / "checkpoints") if cfg.resume else None
     if ckpt is not None:
-        meta, rank_state = dist.load_checkpoint(ckpt, policy, opt)
-        start = meta["step"]
-        sched.load_state_dict(rank_state["sched"])
-        stream.rng.setstate(rank_state["stream_rng"])
-        stream.buf = rank_state["stream_buf"]
-        torch.set_rng_state(rank_state["torch_rng"])
+        start = train.resume_step(ckpt, policy, opt, sched, stream)
         history = log.start(keep_until=start) if log else []
         dist.print0(f"resumed from {ckpt} at step {start}")
     else:
@@ -506,10 +488,8 @@ def train_dpo(cfg: DPOConfig) -> dict:
                             heldout=f"{last_eval.get('heldout_pref_acc', 0):.2f}")
         stop = dist.all_reduce_max(torch.tensor([float(ctrl_c.is_set())])).item() > 0
         if stop or (cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps)):
-            rank_state = dict(sched=sched.state_dict(), stream_rng=stream.rng.getstate(), stream_buf=stream.buf,
-                              torch_rng=torch.get_rng_state())
-            saved = dist.save_checkpoint(out / "checkpoints", step, policy, opt, {"config": asdict(cfg), "algo": "dpo"},
-                                         rank_state, keep=cfg.keep_checkpoints)
+            saved = train.save_step(out, step, policy, opt, sched, stream, {"config": asdict(cfg), "algo": "dpo"},
+                                    cfg.keep_checkpoints)
         if stop:
             break
     bar.close()
@@ -531,31 +511,14 @@ def train_dpo(cfg: DPOConfig) -> dict:
 
 def export_hf(checkpoint: str, out: str) -> None:
     """`python dpo.py export RUN/checkpoints/step_NNNNNN OUT`: the HF checkpoint of any saved DPO step."""
-    meta = json.loads((Path(checkpoint) / "meta.json").read_text())
-    cfg = DPOConfig(**meta["config"])
-    path = model_path(cfg)
-    policy = train.load_trainable(path, torch.device("cpu"), False, False, cfg.trust_remote_code)
-    dist.load_checkpoint(Path(checkpoint), policy, None)
-    train.save_hf(policy.lm, M.load_tokenizer(path, cfg.trust_remote_code), Path(out))
-    print(f"exported step {meta['step']} of {checkpoint} to {out}")
+    train.export_hf(checkpoint, out, DPOConfig, model_path)
 
 
 def main(argv: list[str]) -> None:
-    """Bad flags and bad data end the run with their one-line message on stderr and exit status 2."""
     import tyro
 
-    try:
-        if argv[:1] == ["export"]:
-            if len(argv) != 3:
-                raise SystemExit("error: usage: python dpo.py export RUN/checkpoints/step_NNNNNN OUT_FOLDER")
-            export_hf(argv[1], argv[2])
-        else:
-            train_dpo(tyro.cli(DPOConfig, args=argv))
-    except SystemExit as e:
-        if isinstance(e.code, str) and e.code.startswith("error:"):
-            print(e.code, file=sys.stderr)
-            sys.exit(2)
-        raise
+    train.one_line_errors(lambda: export_hf(*train.export_args(argv, "dpo.py")) if argv[:1] == ["export"]
+                          else train_dpo(tyro.cli(DPOConfig, args=argv)))
 
 
 if __name__ == "__main__":

@@ -80,14 +80,15 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_config(vocab_size: int) -> Qwen2Config:
+def tiny_config(vocab_size: int, hidden: int = 128, intermediate: int = 512, layers: int = 2) -> Qwen2Config:
+    """The tiny model's shape; bench.py widens and deepens it (heads keep dim 64)."""
     return Qwen2Config(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=2,  # head_dim = 64
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,  # head_dim = 64
+        num_key_value_heads=hidden // 64,
         max_position_embeddings=512,  # room for math-style prompts in tests
         tie_word_embeddings=True,
         bos_token_id=1,
@@ -135,19 +136,27 @@ def ensure_tiny_base(
     tok = tiny_tokenizer()
     model = Qwen2ForCausalLM(tiny_config(len(tok)))
     final_loss = pretrain(model, tok, corpus_fn(), steps=steps, lr=lr, batch=batch, seed=seed)
+    save_new(out, model, tok, {"pretrain.json": json.dumps({"steps": steps, "lr": lr, "batch": batch,
+                                                            "loss": final_loss})})
+    print(f"tiny base model built in {time.time() - t0:.0f}s (final pretraining loss {final_loss:.3f})", flush=True)
+    return str(out)
+
+
+def save_new(out: Path, model, tok, extra_files: dict[str, str] | None = None) -> None:
+    """Save an HF checkpoint (model, tokenizer, extra text files) to a temporary folder and rename it into place, so a
+    killed build never leaves a half-written model; a process that loses the race to another keeps the winner's."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / "pretrain.json").write_text(json.dumps({"steps": steps, "lr": lr, "batch": batch, "loss": final_loss}))
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         os.rename(tmp, out)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (out / "config.json").exists():  # another process may have won the race
             raise
-    print(f"tiny base model built in {time.time() - t0:.0f}s (final pretraining loss {final_loss:.3f})", flush=True)
-    return str(out)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -365,15 +365,34 @@ def save_hf(lm, tok, folder: Path) -> None:
         os.replace(tmp, folder)
 
 
-def export_hf(checkpoint: str, out: str) -> None:
-    """`python train.py export RUN/checkpoints/step_NNNNNN OUT`: the HF checkpoint of any saved step."""
+def export_hf(checkpoint: str, out: str, config_cls=None, path_of=None) -> None:
+    """`python train.py export RUN/checkpoints/step_NNNNNN OUT`: the HF checkpoint of any saved step. dpo.py passes
+    its own config class and start-weights resolver (default: this file's Config and model_path)."""
     meta = json.loads((Path(checkpoint) / "meta.json").read_text())
-    cfg = Config(**meta["config"])
-    path = model_path(cfg)
+    cfg = (config_cls or Config)(**meta["config"])
+    path = (path_of or model_path)(cfg)
     policy = load_trainable(path, torch.device("cpu"), False, False, cfg.trust_remote_code)
     dist.load_checkpoint(Path(checkpoint), policy, None)
     save_hf(policy.lm, M.load_tokenizer(path, cfg.trust_remote_code), Path(out))
     print(f"exported step {meta['step']} of {checkpoint} to {out}")
+
+
+def save_step(out: Path, step: int, policy, opt, sched, stream: PromptStream, meta: dict, keep: int) -> Path:
+    """A checkpoint of all a resumed run needs: model and optimizer shards (distributed.py), and on every rank the
+    LR schedule, the data order and position, and the torch RNG."""
+    rank_state = dict(sched=sched.state_dict(), stream_rng=stream.rng.getstate(), stream_buf=stream.buf,
+                      torch_rng=torch.get_rng_state())
+    return dist.save_checkpoint(out / "checkpoints", step, policy, opt, meta, rank_state, keep=keep)
+
+
+def resume_step(ckpt: Path, policy, opt, sched, stream: PromptStream) -> int:
+    """Restore what save_step wrote; returns the step the checkpoint was taken after."""
+    meta, rank_state = dist.load_checkpoint(ckpt, policy, opt)
+    sched.load_state_dict(rank_state["sched"])
+    stream.rng.setstate(rank_state["stream_rng"])
+    stream.buf = rank_state["stream_buf"]
+    torch.set_rng_state(rank_state["torch_rng"])
+    return meta["step"]
 
 
 def _writable(folder: Path) -> bool:
@@ -418,21 +437,28 @@ def validate(cfg: Config, world: int) -> None:
          f"--min-new-tokens {cfg.min_new_tokens}: must be in [0, --max-new-tokens {cfg.max_new_tokens}]"),
         (0 < cfg.max_new_tokens < cfg.max_seq_len,
          f"--max-new-tokens {cfg.max_new_tokens}: must be positive and below --max-seq-len {cfg.max_seq_len}"),
-        (cfg.lr > 0, f"--lr {cfg.lr}: must be positive"),
         (cfg.tensor_parallel_size >= 1 and world % cfg.tensor_parallel_size == 0
          and (cfg.engine == "vllm" or cfg.tensor_parallel_size == 1),
          f"--tensor-parallel-size {cfg.tensor_parallel_size}: must divide the {world} ranks (vLLM engine only)"),
-        (cfg.steps >= 1, f"--steps {cfg.steps}: must be at least 1"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: must be positive for GRPO sampling"),
         (cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual-clip {cfg.dual_clip}: must be 0 (off) or > 1"),
-        (cfg.model == M.TINY or os.path.isdir(cfg.model) or cfg.model.count("/") == 1,
-         f"--model {cfg.model}: no such folder, and not a hub name like org/name"),
         (not cfg.init_from or os.path.isfile(os.path.join(cfg.init_from, "config.json")),
          f"--init-from {cfg.init_from}: not an HF checkpoint folder (no config.json)"),
         (cfg.task != "math" or bool(cfg.data), "--data: the math task needs a problem file or dataset name"),
         (0.0 <= cfg.val_fraction < 1.0, f"--val-fraction {cfg.val_fraction}: must be in [0, 1)"),
         (not cfg.prompt_template or os.path.isfile(cfg.prompt_template),
          f"--prompt-template {cfg.prompt_template}: no such file"),
+    ]
+    check(checks + run_checks(cfg))
+
+
+def run_checks(cfg) -> list[tuple[bool, str]]:
+    """The checks every training entry point makes (GRPO here, DPO in dpo.py): model, output, optimizer, logging."""
+    return [
+        (cfg.steps >= 1, f"--steps {cfg.steps}: must be at least 1"),
+        (cfg.lr > 0, f"--lr {cfg.lr}: must be positive"),
+        (cfg.model == M.TINY or os.path.isdir(cfg.model) or cfg.model.count("/") == 1,
+         f"--model {cfg.model}: no such folder, and not a hub name like org/name"),
         (_writable(Path(cfg.out_dir or "runs")), f"--out-dir {cfg.out_dir or 'runs'}: cannot be written"),
         (cfg.max_skipped_steps >= 1, f"--max-skipped-steps {cfg.max_skipped_steps}: must be at least 1"),
         (not cfg.tensorboard or importlib.util.find_spec("tensorboard") is not None,
@@ -440,6 +466,10 @@ def validate(cfg: Config, world: int) -> None:
         (not cfg.wandb_project or importlib.util.find_spec("wandb") is not None,
          f"--wandb-project {cfg.wandb_project}: needs the wandb package (pip install wandb)"),
     ]
+
+
+def check(checks: list[tuple[bool, str]]) -> None:
+    """The first failed check ends the run with its one-line message."""
     for ok, msg in checks:
         if not ok:
             raise SystemExit(f"error: {msg}")
@@ -492,12 +522,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     log = RunLog(out, cfg.tensorboard, cfg.wandb_project, asdict(cfg)) if dist.is_main() else None
     ckpt = dist.latest_checkpoint(out / "checkpoints") if cfg.resume else None
     if ckpt is not None:
-        meta, rank_state = dist.load_checkpoint(ckpt, policy, opt)
-        start = meta["step"]
-        sched.load_state_dict(rank_state["sched"])
-        stream.rng.setstate(rank_state["stream_rng"])
-        stream.buf = rank_state["stream_buf"]
-        torch.set_rng_state(rank_state["torch_rng"])
+        start = resume_step(ckpt, policy, opt, sched, stream)
         engine.load_weights(dist.full_weights(policy.lm, engine_dtype))  # the engine samples from resumed weights
         history = log.start(keep_until=start) if log else []
         dist.print0(f"resumed from {ckpt} at step {start}")
@@ -602,10 +627,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         # Ctrl-C (on any rank) ends the run after this step, with a checkpoint to resume from
         stop = dist.all_reduce_max(torch.tensor([float(ctrl_c.is_set())])).item() > 0
         if stop or (cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps)):
-            rank_state = dict(sched=sched.state_dict(), stream_rng=stream.rng.getstate(), stream_buf=stream.buf,
-                              torch_rng=torch.get_rng_state())
-            saved = dist.save_checkpoint(out / "checkpoints", step, policy, opt, {"config": asdict(cfg)}, rank_state,
-                                         keep=cfg.keep_checkpoints)
+            saved = save_step(out, step, policy, opt, sched, stream, {"config": asdict(cfg)}, cfg.keep_checkpoints)
         if stop:
             break
     bar.close()
@@ -655,14 +677,21 @@ def parse_args(argv: list[str]) -> Config:
 
 
 def main(argv: list[str]) -> None:
+    one_line_errors(lambda: export_hf(*export_args(argv, "train.py")) if argv[:1] == ["export"]
+                    else train(parse_args(argv)))
+
+
+def export_args(argv: list[str], script: str) -> tuple[str, str]:
+    """CKPT and OUT of `python SCRIPT export CKPT OUT`."""
+    if len(argv) != 3:
+        raise SystemExit(f"error: usage: python {script} export RUN/checkpoints/step_NNNNNN OUT_FOLDER")
+    return argv[1], argv[2]
+
+
+def one_line_errors(run) -> None:
     """Bad flags and bad data end the run with their one-line message on stderr and exit status 2."""
     try:
-        if argv[:1] == ["export"]:
-            if len(argv) != 3:
-                raise SystemExit("error: usage: python train.py export RUN/checkpoints/step_NNNNNN OUT_FOLDER")
-            export_hf(argv[1], argv[2])
-        else:
-            train(parse_args(argv))
+        run()
     except SystemExit as e:
         if isinstance(e.code, str) and e.code.startswith("error:"):
             print(e.code, file=sys.stderr)
