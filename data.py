@@ -64,7 +64,7 @@ class DataError(SystemExit):
         super().__init__(f"error: {msg}")
 
 
-def _rows(path: str):
+def read_rows(path: str):
     """(row number, dict) from a local file, or from an HF dataset ("name" or "name:split")."""
     p = Path(path)
     if p.suffix and not p.exists():
@@ -102,7 +102,7 @@ def _rows(path: str):
 
 def load_problems(path: str, problem_field: str = "problem", answer_field: str = "answer") -> list[Problem]:
     problems = []
-    for i, row in _rows(path):
+    for i, row in read_rows(path):
         if not isinstance(row, dict):
             raise DataError(f"{path}: row {i}: expected an object with fields {problem_field!r} and {answer_field!r}")
         for field in (problem_field, answer_field):

@@ -178,7 +178,7 @@ def load_pairs(path: str, prompt_field: str = "prompt", chosen_field: str = "cho
     the assistant's (so UltraFeedback-style rows, whose "chosen" repeats the user turn, work too). A bad row stops
     the run here, before any model loads, with one line naming the file and the row."""
     rows = []
-    for i, row in data._rows(path):
+    for i, row in data.read_rows(path):
         where = f"{path}: row {i}"
         if not isinstance(row, dict):
             raise data.DataError(f"{where}: expected an object with fields {prompt_field!r}, {chosen_field!r} and "
