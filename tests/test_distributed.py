@@ -14,10 +14,11 @@ HERE = Path(__file__).resolve().parent
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
-def torchrun(n: int, *args, timeout=300) -> subprocess.CompletedProcess:
+def torchrun(n: int, *args, timeout=300, worker="dist_worker.py") -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node n tests/WORKER args...` (test_dpo.py runs dpo_worker.py through it too)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     cmd = [TORCHRUN, "--nproc_per_node", str(n), "--master_port", str(29500 + os.getpid() % 1000),
-           str(HERE / "dist_worker.py"), *map(str, args)]
+           str(HERE / worker), *map(str, args)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     # Seen once in about a dozen 2-rank runs on a fresh machine: a rank aborts in native code with "terminate
     # called without an active exception" and no Python traceback (gloo/c10d, not our code's numbers). Such a run

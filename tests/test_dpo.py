@@ -4,7 +4,6 @@ logprobs against float64 full logits, preference-file errors and formats, over-l
 
 import json
 import math
-import os
 import random
 import subprocess
 import sys
@@ -17,7 +16,6 @@ from safetensors.torch import load_file
 import dpo
 
 HERE = Path(__file__).resolve().parent
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -231,21 +229,12 @@ def test_bad_flags_name_the_flag():
 # 1 rank vs 2 ranks
 
 
-def torchrun(n: int, *args, timeout=300) -> subprocess.CompletedProcess:
-    """tests/test_distributed.py's helper, for dpo_worker.py (including its one retry on gloo's native abort)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [TORCHRUN, "--nproc_per_node", str(n), "--master_port", str(29300 + os.getpid() % 200),
-           str(HERE / "dpo_worker.py"), *map(str, args)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0 and "terminate called without an active exception" in r.stderr:
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    return r
-
-
 def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path):
     import dpo_worker
 
-    r = torchrun(2, tmp_path / "w2")
+    from test_distributed import torchrun
+
+    r = torchrun(2, tmp_path / "w2", worker="dpo_worker.py")
     assert r.returncode == 0, r.stderr[-3000:]
     dpo_worker.updates(str(tmp_path / "w1"))  # one rank: the same function in this process, no process group
     from transformers import AutoModelForCausalLM
