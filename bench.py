@@ -7,7 +7,8 @@ Qwen2 built locally from a config), then the same workload through TRL's GRPOTra
 seconds per step in generate / score / old logprobs / update / refit / everything else, tokens generated and
 trained per second, peak memory. Each configuration runs in a subprocess of its own, so that each gets a fresh
 engine and its own peak-memory reading; all of them run in this one invocation, on this machine, so the ratios
-compare like with like. It also times each engine's own generate called directly on the same prompts, to show
+compare like with like. The machine's speed drifts by 10-20% over minutes, so the configurations run in rounds,
+interleaved (five on the tiny model by default), and every figure is a median over rounds. It also times each engine's own generate called directly on the same prompts, to show
 what our wrapper (per-prompt seeds, logprobs, Sample objects) costs.
 
 What it does not do: check anything (it reports numbers; the tests check behaviour), or run on several ranks.
@@ -41,6 +42,11 @@ class BenchConfig:
     new_tokens: int = 128  # every response is exactly this long (EOS masked until then)
     steps: int = 10  # steps per run on the tiny model; the first is warm-up and left out of the medians
     large_steps: int = 3  # steps per run on the ~25M model (a step takes tens of seconds on 2 CPU cores)
+    # every configuration runs this many times, interleaved (ours, TRL, ours, TRL, ...), and each figure is the
+    # median over rounds: the machine's speed drifts by 10-20% over minutes, and one run each would put a drift
+    # into the ratio
+    rounds: int = 1
+    tiny_rounds: int = 5  # rounds on the tiny model (~30 s a configuration)
     models: list[Literal["tiny", "25m"]] = field(default_factory=lambda: ["tiny", "25m"])
     # trl: TRL's GRPOTrainer with gradient checkpointing off, like train.py (the same compute: the fair match);
     # trl-defaults: as GRPOConfig comes, gradient checkpointing on (a recompute of every layer in backward)
@@ -109,7 +115,7 @@ def wrapper_vs_direct(cfg: BenchConfig, engine_name: str, engine, tok, repeats: 
     """Median seconds of our engine's generate and of the engine's own generate, called alternately on the same
     prompts (the steps' prompts), so that drifts in machine speed hit both alike. "Own generate" is the plainest
     call that yields the same samples with the same engine settings (vLLM: one SamplingParams with logprobs; HF:
-    model.generate on the padded batch, with the static KV cache the HF engine uses on CPU)."""
+    model.generate on the padded batch, with the static KV cache and the attention the HF engine uses on CPU)."""
     wrapped, direct = [], []
     for k, texts in enumerate(step_prompts(cfg, repeats)):
         ids = [tok(t)["input_ids"] for t in texts]
@@ -201,10 +207,31 @@ def run_one(cfg: BenchConfig) -> None:
     Path(cfg.result).write_text(json.dumps(res))
 
 
+def median_of(rounds: list[dict]) -> dict:
+    """Each figure's median over rounds (a round that failed is reported only if all failed)."""
+    ok = [r for r in rounds if "error" not in r]
+    if not ok:
+        return rounds[0]
+    med = {k: statistics.median(r[k] for r in ok) for k in ok[0]}
+    med["rounds"] = [r["step"] for r in ok]
+    return med
+
+
+def ratio(ours: dict, trl: dict) -> str:
+    """Our step over TRL's. With several rounds: the median of the per-round ratios (round k of ours ran next to
+    round k of TRL's, so a drift in machine speed hits both), and their range."""
+    if "step" not in trl:
+        return "-"
+    per_round = [a / b for a, b in zip(ours.get("rounds", []), trl.get("rounds", []))]
+    if len(per_round) < 2:
+        return f"{ours['step'] / trl['step']:.2f}x"
+    return f"{statistics.median(per_round):.2f}x ({min(per_round):.2f}-{max(per_round):.2f})"
+
+
 def table(results: dict, cfg: BenchConfig) -> str:
     f = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     lines = [f"{cfg.prompts} prompts x {cfg.group_size} samples x {cfg.new_tokens} new tokens, one update per step; "
-             "median seconds per step (first step left out)", "",
+             "median seconds per step (first step left out), median over rounds", "",
              "| model | engine | step | generate | score | old logprobs | update | refit | everything else "
              "| gen tok/s | train tok/s | peak GiB | generate: ours / engine's own | step vs TRL (matched / defaults) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -214,8 +241,7 @@ def table(results: dict, cfg: BenchConfig) -> str:
             continue
         vs = "-"
         if not engine_name.startswith("trl"):
-            vs = " / ".join(f"{r['step'] / t['step']:.2f}x" if "step" in t else "-"
-                            for t in (results.get((model_name, e), {}) for e in ("trl", "trl-defaults")))
+            vs = " / ".join(ratio(r, t) for t in (results.get((model_name, e), {}) for e in ("trl", "trl-defaults")))
         direct = r.get("direct_generate")
         direct_s = f"{f(r['wrapped_generate'])} / {f(direct)} ({r['wrapped_generate'] / direct - 1:+.0%})" if direct else "-"
         other = r.get("other")
@@ -229,7 +255,8 @@ def table(results: dict, cfg: BenchConfig) -> str:
     lines.append("TRL's update column is its step minus generate and score (it has no refit: the same model "
                  "generates and trains). trl: gradient checkpointing off, as train.py by default (the same compute); "
                  "trl-defaults: GRPOConfig's default, gradient checkpointing on. 'generate: ours / engine's own': "
-                 "medians of the two called alternately on the same prompts after the run.")
+                 "medians of the two called alternately on the same prompts after the run. Step vs TRL: the "
+                 "median over rounds of our step / TRL's in the same round, and the range of that ratio.")
     return "\n".join(lines)
 
 
@@ -240,25 +267,26 @@ def main(cfg: BenchConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in cfg.models:  # build models here, once, so no subprocess times a build
         model_for(name)
-    results = {}
+    runs: dict[tuple[str, str], list[dict]] = {}
     for model_name in cfg.models:
-        for engine_name in cfg.engines:
-            res_file = out / f"{engine_name}-{model_name}.json"
-            cmd = [sys.executable, __file__, "--one", f"{engine_name}:{model_name}", "--result", str(res_file),
-                   *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in asdict(cfg).items()
-                         if k in ("prompts", "group_size", "new_tokens", "steps", "large_steps")), []),
-                   ]
-            t0 = time.time()
-            print(f"bench: {engine_name} on {model_name} ...", flush=True, end=" ")
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                res = {"error": "failed: " + (r.stderr.strip().splitlines() or ["?"])[-1][:200]}
-            else:
-                res = json.loads(res_file.read_text())
-                if engine_name.startswith("trl") and "error" not in res:
-                    res["update"] = res["step"] - res["generate"] - res["score"]
-            print(f"{time.time() - t0:.0f}s", flush=True)
-            results[(model_name, engine_name)] = res
+        for k in range(cfg.tiny_rounds if model_name == "tiny" else cfg.rounds):
+            for engine_name in cfg.engines:
+                res_file = out / f"{engine_name}-{model_name}.json"
+                cmd = [sys.executable, __file__, "--one", f"{engine_name}:{model_name}", "--result", str(res_file),
+                       *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in asdict(cfg).items()
+                             if k in ("prompts", "group_size", "new_tokens", "steps", "large_steps")), [])]
+                t0 = time.time()
+                print(f"bench: {engine_name} on {model_name}, round {k + 1} ...", flush=True, end=" ")
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                if r.returncode != 0:
+                    res = {"error": "failed: " + (r.stderr.strip().splitlines() or ["?"])[-1][:200]}
+                else:
+                    res = json.loads(res_file.read_text())
+                    if engine_name.startswith("trl") and "error" not in res:
+                        res["update"] = res["step"] - res["generate"] - res["score"]
+                print(f"{time.time() - t0:.0f}s, step {res.get('step', float('nan')):.3f}", flush=True)
+                runs.setdefault((model_name, engine_name), []).append(res)
+    results = {key: median_of(rs) for key, rs in runs.items()}
     text = table(results, cfg)
     (out / "table.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps({f"{m}/{e}": r for (m, e), r in results.items()}, indent=1))

@@ -10,6 +10,7 @@ What it does:
 - full_weights: the model's full tensors, gathered from the shards in buckets bounded in bytes as they are
   consumed, so the refit never holds a second full copy of the model beside vLLM's.
 - reductions (sum, max, grad-norm clipping) that are no-ops in a single process, and rank-0 printing.
+- reuse_freed_memory: on CPU, glibc keeps freed memory for the next step instead of returning it to the kernel.
 
 - checkpoints: save_checkpoint / load_checkpoint with torch.distributed.checkpoint (each rank writes its shards of
   the model and the optimizer; one small file per rank holds what must come back exactly: RNG states, the data
@@ -19,6 +20,7 @@ What it does:
 What it does not do: decide what to shard beyond "each decoder layer", or what goes into a checkpoint's extras.
 """
 
+import ctypes
 import datetime
 import json
 import os
@@ -44,6 +46,24 @@ def init(timeout_s: int = 600) -> tuple[int, int]:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         _OURS = True
     return dist.get_rank(), dist.get_world_size()
+
+
+def reuse_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory in its heap for reuse, instead of returning it to the kernel.
+
+    Why: on CPU PyTorch has no caching allocator. Every activation is a fresh malloc, glibc serves the large ones
+    with mmap and frees them with munmap, so every step page-faults all of its activation memory in again, each
+    4 KiB page zeroed by the kernel. Measured on 2 cores: 45k page faults per update of the tiny model (about a
+    tenth of it), 0.45-0.66M per micro-batch of the 25M one (about a tenth of it too). With no mmap and no trimming
+    the heap grows to the peak once and every later step reuses it: peak resident memory does not grow, but it is
+    not given back between steps. Process-wide; a no-op (False) where libc is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
+        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+    except (OSError, AttributeError):
+        return False
 
 
 def rank() -> int:

@@ -410,6 +410,8 @@ def train_dpo(cfg: DPOConfig) -> dict:
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    if device.type == "cpu":
+        dist.reuse_freed_memory()
     out = Path(cfg.out_dir or f"runs/dpo-{time.strftime('%Y%m%d-%H%M%S')}")
     if dist.is_main():
         out.mkdir(parents=True, exist_ok=True)
@@ -428,7 +430,7 @@ def train_dpo(cfg: DPOConfig) -> dict:
     if heldout_problems and cfg.eval_every:  # task accuracy of the synthetic demo: generate with HF
         from rollout import HFEngine
 
-        engine = HFEngine(path, dtype=torch.bfloat16 if bf16 else torch.float32)
+        engine = HFEngine(path, dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     stream = train.PromptStream(len(train_pairs), cfg.seed)  # same shuffled order on every rank

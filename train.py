@@ -485,6 +485,8 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
     engine_dtype = torch.bfloat16 if bf16 else torch.float32
+    if device.type == "cpu":
+        dist.reuse_freed_memory()  # no page faults on every step's activations (see there)
     out = Path(cfg.out_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if dist.is_main():
         out.mkdir(parents=True, exist_ok=True)
@@ -506,7 +508,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
                                     tensor_parallel_size=cfg.tensor_parallel_size,
                                     trust_remote_code=cfg.trust_remote_code)
     elif engine is None:
-        engine = rollout.HFEngine(path, dtype=engine_dtype, trust_remote_code=cfg.trust_remote_code)
+        engine = rollout.HFEngine(path, dtype=engine_dtype, trust_remote_code=cfg.trust_remote_code, device=device)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     loss_cfg = grpo.LossConfig(cfg.eps_low, cfg.eps_high, cfg.dual_clip, cfg.kl_beta, cfg.kl_kind,

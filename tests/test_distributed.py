@@ -86,3 +86,32 @@ def test_a_hung_rank_ends_the_run_after_the_collective_timeout(tmp_path):
     r = torchrun(2, "hang", tmp_path / "hang", timeout=180)
     assert r.returncode != 0
     assert time.time() - t < 90  # a 10 s timeout plus start-up and teardown
+
+
+REALLOCATE = """
+import resource, sys, torch
+sys.path.insert(0, {root!r})
+import distributed
+if {reuse}:
+    assert distributed.reuse_freed_memory()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for step in range(6):  # what a training step does with its activations: allocate and write them, then free them
+    f0 = faults()
+    acts = [torch.empty(mib * 2**20 // 4).fill_(1.0) for mib in {sizes}]
+    del acts
+print(faults() - f0)
+"""
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_reuse_freed_memory_stops_page_faults_on_every_step(reuse):
+    # a fresh interpreter: the setting is process-wide, and the count needs a heap no other test has touched
+    root, sizes = str(Path(__file__).resolve().parents[1]), [48, 8, 16, 64, 1, 32]
+    out = subprocess.run([sys.executable, "-c", REALLOCATE.format(root=root, reuse=reuse, sizes=sizes)],
+                         capture_output=True, text=True, check=True).stdout
+    pages = sum(sizes) * 2**20 // 4096
+    if reuse:
+        assert int(out) < pages // 20  # the heap kept the memory: a later step faults (almost) nothing in
+    else:
+        assert int(out) > pages // 2  # glibc's default: munmap on free, and every page faulted in again

@@ -72,6 +72,29 @@ def test_hf_engine_logprobs_match_trainer_after_refit(tiny_path, tok):
     assert mean_abs_diff(new, engine, prompts, seed=0) < 1e-4
 
 
+def test_hf_engine_logprobs_are_those_of_the_sampling_temperature(tiny_path, tok):
+    # logprobs are recorded step by step while generate runs (not kept as [N, t, V] logits): each must belong to
+    # the token sampled at that step, at the temperature sampled from
+    prompts = prompts_of(tok, 32)
+    samples = rollout.HFEngine(tiny_path).generate(prompts, n=2, max_tokens=2, temperature=0.7, seed=0)
+    b = train.make_batch([p for p in prompts], samples, torch.zeros(len(samples)), False, 0)
+    with torch.no_grad():
+        lp, _ = model.token_logprobs(model.load_model(tiny_path), b.input_ids, b.attention_mask, b.resp_start,
+                                     b.resp_mask.shape[1], temperature=0.7)
+    assert float(((lp - b.gen_logp).abs() * b.resp_mask).max()) < 1e-4
+    assert any(not s.truncated for s in samples) and any(s.truncated for s in samples)  # both ends covered
+
+
+@pytest.mark.parametrize("which", ["hf", "vllm"])
+def test_min_tokens_masks_eos_until_then(which, vllm_engine, tiny_path, tok):
+    engine = vllm_engine if which == "vllm" else rollout.HFEngine(tiny_path)
+    prompts = prompts_of(tok, 8)
+    free = engine.generate(prompts, n=2, max_tokens=12, seed=0)
+    assert any(len(s.token_ids) < 12 for s in free)  # the tiny model answers in a few tokens, then stops
+    forced = engine.generate(prompts, n=2, max_tokens=12, min_tokens=12, seed=0)
+    assert all(len(s.token_ids) == 12 and len(s.logprobs) == 12 for s in forced)
+
+
 def test_hf_and_vllm_agree_on_greedy_outputs(vllm_engine, tiny_path, tok):
     prompts = prompts_of(tok, 200)
     a = vllm_engine.generate(prompts, n=1, max_tokens=8, temperature=0.0)
