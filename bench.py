@@ -7,8 +7,10 @@ Qwen2 built locally from a config), then the same workload through TRL's GRPOTra
 seconds per step in generate / score / old logprobs / update / refit / everything else, tokens generated and
 trained per second, peak memory. Each configuration runs in a subprocess of its own, so that each gets a fresh
 engine and its own peak-memory reading; all of them run in this one invocation, on this machine, so the ratios
-compare like with like. The machine's speed drifts by 10-20% over minutes, so the configurations run in rounds,
-interleaved (five on the tiny model by default), and every figure is a median over rounds. It also times each engine's own generate called directly on the same prompts, to show
+compare like with like. The machine's speed drifts by 10-20% within a minute, more than the differences measured,
+so the configurations of one model run side by side and take turns step by step (Turns): at most one of them
+computes at any moment, step k of each runs next to step k of the others, and each ratio to TRL is the median of
+the per-step ratios. It also times each engine's own generate called directly on the same prompts, to show
 what our wrapper (per-prompt seeds, logprobs, Sample objects) costs.
 
 What it does not do: check anything (it reports numbers; the tests check behaviour), or run on several ranks.
@@ -35,18 +37,50 @@ import train
 PHASES = ["generate", "score", "logprobs", "update", "refit"]
 
 
+class Turns:
+    """Step-by-step turn taking among benchmark processes that run side by side.
+
+    The parent (main) hands the machine to one process at a time: it writes a byte to that process's GO pipe and
+    waits for a byte back on its DONE pipe (or for the pipe to close: the process has finished). A process waits for
+    its first turn before loading anything, and gives the machine back at the start of each step's generation;
+    the seconds it then waits are recorded and taken out of that step's times, so a step's figures count only its
+    own work, done alone on the machine.
+    """
+
+    def __init__(self, spec: str):
+        go, done = (int(x) for x in spec.split(","))
+        self.go, self.done = os.fdopen(go, "rb", buffering=0), os.fdopen(done, "wb", buffering=0)
+        self.waits: list[float] = []
+        self.go.read(1)
+
+    def take(self) -> None:
+        t0 = time.time()
+        self.done.write(b"d")
+        self.go.read(1)
+        self.waits.append(time.time() - t0)
+
+
+class TurnTakingEngine:
+    """An engine whose generate first gives the machine back to the other benchmark processes (Turns)."""
+
+    def __init__(self, engine, turns: Turns):
+        self.engine, self.turns = engine, turns
+
+    def generate(self, *args, **kwargs):
+        self.turns.take()
+        return self.engine.generate(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
 @dataclass
 class BenchConfig:
     prompts: int = 16  # prompts per step
     group_size: int = 8  # samples per prompt
     new_tokens: int = 128  # every response is exactly this long (EOS masked until then)
-    steps: int = 10  # steps per run on the tiny model; the first is warm-up and left out of the medians
-    large_steps: int = 3  # steps per run on the ~25M model (a step takes tens of seconds on 2 CPU cores)
-    # every configuration runs this many times, interleaved (ours, TRL, ours, TRL, ...), and each figure is the
-    # median over rounds: the machine's speed drifts by 10-20% over minutes, and one run each would put a drift
-    # into the ratio
-    rounds: int = 1
-    tiny_rounds: int = 5  # rounds on the tiny model (~30 s a configuration)
+    steps: int = 16  # steps per run on the tiny model; the first is warm-up and left out of the medians
+    large_steps: int = 4  # steps per run on the ~25M model (a step takes tens of seconds on 2 CPU cores)
     models: list[Literal["tiny", "25m"]] = field(default_factory=lambda: ["tiny", "25m"])
     # trl: TRL's GRPOTrainer with gradient checkpointing off, like train.py (the same compute: the fair match);
     # trl-defaults: as GRPOConfig comes, gradient checkpointing on (a recompute of every layer in backward)
@@ -56,6 +90,7 @@ class BenchConfig:
     # internal: run one configuration in this process and write its JSON result here
     one: str = ""
     result: str = ""
+    turns: str = ""  # "GO_FD,DONE_FD": pipes to the parent that hands out turns (see Turns)
 
 
 def large_model() -> str:
@@ -82,7 +117,7 @@ def step_prompts(cfg: BenchConfig, steps: int) -> list[list[str]]:
     return [[train_set[i].prompt for i in stream.take(cfg.prompts)] for _ in range(steps)]
 
 
-def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int) -> dict:
+def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int, turns: Turns) -> dict:
     """train.py's loop with the benchmark workload, then the engine's own generate on the same prompts."""
     import rollout
 
@@ -97,8 +132,14 @@ def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int) -> dict:
                             group_size=cfg.group_size, max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens,
                             max_seq_len=max_len, eval_every=0, checkpoint_every=0, save_final=False, plot=False,
                             quiet=True, out_dir=tmp)
-        rows = train.train(tcfg, engine=engine)["history"][2:]  # [0] is the step-0 record, [1] the warm-up step
+        rows = train.train(tcfg, engine=TurnTakingEngine(engine, turns))["history"][1:]  # [0]: the step-0 record
+    for r, wait in zip(rows, turns.waits, strict=True):  # one generate call per step
+        r["time_generate"] -= wait
+        r["time_step"] -= wait
+    rows = rows[1:]  # the first step warms up
     res = {k: statistics.median(r[f"time_{k}"] for r in rows) for k in PHASES + ["step"]}
+    res["steps"] = [r["time_step"] for r in rows]
+    res["generates"] = [r["time_generate"] for r in rows]
     res["other"] = statistics.median(r["time_step"] - sum(r[f"time_{k}"] for k in PHASES) for r in rows)
     n_seq = cfg.prompts * cfg.group_size
     res["gen_tokens_per_s"] = n_seq * cfg.new_tokens / res["generate"]
@@ -113,16 +154,15 @@ def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int) -> dict:
 
 def wrapper_vs_direct(cfg: BenchConfig, engine_name: str, engine, tok, repeats: int) -> tuple[float, float]:
     """Median seconds of our engine's generate and of the engine's own generate, called alternately on the same
-    prompts (the steps' prompts), so that drifts in machine speed hit both alike. "Own generate" is the plainest
-    call that yields the same samples with the same engine settings (vLLM: one SamplingParams with logprobs; HF:
-    model.generate on the padded batch, with the static KV cache and the attention the HF engine uses on CPU)."""
-    wrapped, direct = [], []
-    for k, texts in enumerate(step_prompts(cfg, repeats)):
-        ids = [tok(t)["input_ids"] for t in texts]
-        t0 = time.time()
+    prompts (the steps' prompts), in turn first and second (ABBA), so that drifts in machine speed and whatever
+    the first call of a pair pays hit both alike. "Own generate" is the plainest call that yields the same samples
+    with the same engine settings (vLLM: one SamplingParams with logprobs; HF: model.generate on the padded batch,
+    with the static KV cache and the attention the HF engine uses on CPU)."""
+
+    def ours(ids, k):
         engine.generate(ids, n=cfg.group_size, max_tokens=cfg.new_tokens, min_tokens=cfg.new_tokens, seed=k)
-        wrapped.append(time.time() - t0)
-        t0 = time.time()
+
+    def own(ids, texts):
         if engine_name == "vllm":
             from vllm import SamplingParams, TokensPrompt
 
@@ -137,11 +177,18 @@ def wrapper_vs_direct(cfg: BenchConfig, engine_name: str, engine, tok, repeats: 
                                       num_return_sequences=cfg.group_size, pad_token_id=tok.pad_token_id,
                                       eos_token_id=tok.eos_token_id,
                                       cache_implementation="static" if engine.model.device.type == "cpu" else None)
-        direct.append(time.time() - t0)
+
+    wrapped, direct = [], []
+    for k, texts in enumerate(step_prompts(cfg, max(repeats, 4))):
+        ids = [tok(t)["input_ids"] for t in texts]
+        for which in ((0, 1) if k % 2 == 0 else (1, 0)):
+            t0 = time.time()
+            ours(ids, k) if which == 0 else own(ids, texts)
+            (wrapped if which == 0 else direct).append(time.time() - t0)
     return statistics.median(wrapped), statistics.median(direct)
 
 
-def run_trl(cfg: BenchConfig, path: str, steps: int, gradient_checkpointing: bool) -> dict:
+def run_trl(cfg: BenchConfig, path: str, steps: int, gradient_checkpointing: bool, turns: Turns) -> dict:
     """The same workload through TRL's GRPOTrainer (HF generate, one update per generation batch, no KL)."""
     try:
         import datasets
@@ -169,6 +216,8 @@ def run_trl(cfg: BenchConfig, path: str, steps: int, gradient_checkpointing: boo
 
     def timed(fn, key):
         def wrapper(*a, **k):
+            if key == "generate":
+                turns.take()  # inside TRL's step: its wait is taken out of the step below
             t0 = time.time()
             out = fn(*a, **k)
             times[key].append(time.time() - t0)
@@ -190,7 +239,9 @@ def run_trl(cfg: BenchConfig, path: str, steps: int, gradient_checkpointing: boo
         trainer._generate = timed(trainer._generate, "generate")
         trainer._calculate_rewards = timed(trainer._calculate_rewards, "score")
         trainer.train()
+    times["step"] = [t - wait for t, wait in zip(times["step"], turns.waits, strict=True)]
     res = {k: statistics.median(v[1:]) for k, v in times.items()}
+    res["steps"], res["generates"] = times["step"][1:], times["generate"][1:]
     res["gen_tokens_per_s"] = n * cfg.new_tokens / res["generate"]
     res["peak_gib"] = train.peak_memory_gib(torch.device("cpu"))
     return res
@@ -198,40 +249,28 @@ def run_trl(cfg: BenchConfig, path: str, steps: int, gradient_checkpointing: boo
 
 def run_one(cfg: BenchConfig) -> None:
     engine_name, model_name = cfg.one.split(":")
-    path = model_for(model_name)
+    path = model_for(model_name)  # built by main already: only a lookup
     steps = cfg.steps if model_name == "tiny" else cfg.large_steps
+    turns = Turns(cfg.turns)
     if engine_name.startswith("trl"):
-        res = run_trl(cfg, path, steps, gradient_checkpointing=engine_name == "trl-defaults")
+        res = run_trl(cfg, path, steps, gradient_checkpointing=engine_name == "trl-defaults", turns=turns)
     else:
-        res = run_ours(cfg, engine_name, path, steps)
+        res = run_ours(cfg, engine_name, path, steps, turns)
     Path(cfg.result).write_text(json.dumps(res))
 
 
-def median_of(rounds: list[dict]) -> dict:
-    """Each figure's median over rounds (a round that failed is reported only if all failed)."""
-    ok = [r for r in rounds if "error" not in r]
-    if not ok:
-        return rounds[0]
-    med = {k: statistics.median(r[k] for r in ok) for k in ok[0]}
-    med["rounds"] = [r["step"] for r in ok]
-    return med
-
-
 def ratio(ours: dict, trl: dict) -> str:
-    """Our step over TRL's. With several rounds: the median of the per-round ratios (round k of ours ran next to
-    round k of TRL's, so a drift in machine speed hits both), and their range."""
-    if "step" not in trl:
+    """The median over steps of our step k / TRL's step k (they ran next to each other), and its range."""
+    if "steps" not in trl:
         return "-"
-    per_round = [a / b for a, b in zip(ours.get("rounds", []), trl.get("rounds", []))]
-    if len(per_round) < 2:
-        return f"{ours['step'] / trl['step']:.2f}x"
-    return f"{statistics.median(per_round):.2f}x ({min(per_round):.2f}-{max(per_round):.2f})"
+    per_step = [a / b for a, b in zip(ours["steps"], trl["steps"])]
+    return f"{statistics.median(per_step):.2f}x ({min(per_step):.2f}-{max(per_step):.2f})"
 
 
 def table(results: dict, cfg: BenchConfig) -> str:
     f = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     lines = [f"{cfg.prompts} prompts x {cfg.group_size} samples x {cfg.new_tokens} new tokens, one update per step; "
-             "median seconds per step (first step left out), median over rounds", "",
+             "median seconds per step (first step left out)", "",
              "| model | engine | step | generate | score | old logprobs | update | refit | everything else "
              "| gen tok/s | train tok/s | peak GiB | generate: ours / engine's own | step vs TRL (matched / defaults) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -256,8 +295,56 @@ def table(results: dict, cfg: BenchConfig) -> str:
                  "generates and trains). trl: gradient checkpointing off, as train.py by default (the same compute); "
                  "trl-defaults: GRPOConfig's default, gradient checkpointing on. 'generate: ours / engine's own': "
                  "medians of the two called alternately on the same prompts after the run. Step vs TRL: the "
-                 "median over rounds of our step / TRL's in the same round, and the range of that ratio.")
+                 "median over steps of our step k / TRL's step k, which ran next to each other, and its range.")
     return "\n".join(lines)
+
+
+def run_ring(cfg: BenchConfig, model_name: str, engines: list[str], out: Path) -> dict:
+    """Start one process per engine and hand out turns, one step at a time, until all have finished."""
+    t0 = time.time()
+    print(f"bench: {', '.join(engines)} on {model_name}, side by side ...", flush=True, end=" ")
+    procs = []
+    for engine_name in engines:
+        go_r, go_w = os.pipe()
+        done_r, done_w = os.pipe()
+        res_file = out / f"{engine_name}-{model_name}.json"
+        res_file.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--one", f"{engine_name}:{model_name}", "--result", str(res_file),
+               "--turns", f"{go_r},{done_w}",
+               *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in asdict(cfg).items()
+                     if k in ("prompts", "group_size", "new_tokens", "steps", "large_steps")), [])]
+        log = open(out / f"{engine_name}-{model_name}.log", "w")
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, pass_fds=(go_r, done_w))
+        os.close(go_r)
+        os.close(done_w)
+        procs.append((engine_name, p, go_w, done_r, res_file, log))
+    alive = list(procs)
+    while alive:
+        for item in list(alive):
+            _, p, go_w, done_r, _, _ = item
+            try:
+                os.write(go_w, b"g")
+                finished = os.read(done_r, 1) == b""
+            except BrokenPipeError:
+                finished = True
+            if finished:  # it has closed its pipes: done, or failed
+                p.wait()
+                alive.remove(item)
+    results = {}
+    for engine_name, p, go_w, done_r, res_file, log in procs:
+        os.close(go_w)
+        os.close(done_r)
+        log.close()
+        if p.returncode != 0 or not res_file.exists():
+            tail = (Path(log.name).read_text().strip().splitlines() or ["?"])[-1][:200]
+            res = {"error": f"failed: {tail} (see {log.name})"}
+        else:
+            res = json.loads(res_file.read_text())
+            if engine_name.startswith("trl"):
+                res["update"] = res["step"] - res["generate"] - res["score"]
+        results[(model_name, engine_name)] = res
+    print(f"{time.time() - t0:.0f}s", flush=True)
+    return results
 
 
 def main(cfg: BenchConfig) -> None:
@@ -267,26 +354,14 @@ def main(cfg: BenchConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in cfg.models:  # build models here, once, so no subprocess times a build
         model_for(name)
-    runs: dict[tuple[str, str], list[dict]] = {}
+    results = {}
     for model_name in cfg.models:
-        for k in range(cfg.tiny_rounds if model_name == "tiny" else cfg.rounds):
-            for engine_name in cfg.engines:
-                res_file = out / f"{engine_name}-{model_name}.json"
-                cmd = [sys.executable, __file__, "--one", f"{engine_name}:{model_name}", "--result", str(res_file),
-                       *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in asdict(cfg).items()
-                             if k in ("prompts", "group_size", "new_tokens", "steps", "large_steps")), [])]
-                t0 = time.time()
-                print(f"bench: {engine_name} on {model_name}, round {k + 1} ...", flush=True, end=" ")
-                r = subprocess.run(cmd, capture_output=True, text=True)
-                if r.returncode != 0:
-                    res = {"error": "failed: " + (r.stderr.strip().splitlines() or ["?"])[-1][:200]}
-                else:
-                    res = json.loads(res_file.read_text())
-                    if engine_name.startswith("trl") and "error" not in res:
-                        res["update"] = res["step"] - res["generate"] - res["score"]
-                print(f"{time.time() - t0:.0f}s, step {res.get('step', float('nan')):.3f}", flush=True)
-                runs.setdefault((model_name, engine_name), []).append(res)
-    results = {key: median_of(rs) for key, rs in runs.items()}
+        # the processes of one ring run side by side, taking turns; vLLM's 25M engine (8 GiB) runs on its own to
+        # keep the ring within this machine's 24 GiB
+        side = ["vllm"] if model_name == "25m" else []
+        rings = [[e for e in cfg.engines if e not in side]] + [[e] for e in cfg.engines if e in side]
+        for ring in filter(None, rings):
+            results.update(run_ring(cfg, model_name, ring, out))
     text = table(results, cfg)
     (out / "table.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps({f"{m}/{e}": r for (m, e), r in results.items()}, indent=1))
