@@ -294,7 +294,7 @@ def table(results: dict, cfg: BenchConfig) -> str:
     lines.append("TRL's update column is its step minus generate and score (it has no refit: the same model "
                  "generates and trains). trl: gradient checkpointing off, as train.py by default (the same compute); "
                  "trl-defaults: GRPOConfig's default, gradient checkpointing on. 'generate: ours / engine's own': "
-                 "medians of the two called alternately on the same prompts after the run. Step vs TRL: the "
+                 "medians of the two called alternately (ABBA) on the same prompts after the run. Step vs TRL: the "
                  "median over steps of our step k / TRL's step k, which ran next to each other, and its range.")
     return "\n".join(lines)
 
