@@ -340,7 +340,7 @@ def run_ring(cfg: BenchConfig, model_name: str, engines: list[str], out: Path) -
             res = {"error": f"failed: {tail} (see {log.name})"}
         else:
             res = json.loads(res_file.read_text())
-            if engine_name.startswith("trl"):
+            if engine_name.startswith("trl") and "error" not in res:  # TRL absent: its row says so
                 res["update"] = res["step"] - res["generate"] - res["score"]
         results[(model_name, engine_name)] = res
     print(f"{time.time() - t0:.0f}s", flush=True)
