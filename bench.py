@@ -216,12 +216,17 @@ def run_trl(cfg: BenchConfig, path: str, steps: int, gradient_checkpointing: boo
 
     def timed(fn, key):
         def wrapper(*a, **k):
-            if key == "generate":
-                turns.take()  # inside TRL's step: its wait is taken out of the step below
             t0 = time.time()
             out = fn(*a, **k)
             times[key].append(time.time() - t0)
             return out
+
+        return wrapper
+
+    def after_turn(fn):  # inside TRL's step: the wait is taken out of the step below
+        def wrapper(*a, **k):
+            turns.take()
+            return fn(*a, **k)
 
         return wrapper
 
@@ -236,7 +241,7 @@ def run_trl(cfg: BenchConfig, path: str, steps: int, gradient_checkpointing: boo
         )
         trainer = GRPOTrainer(model=path, reward_funcs=exact, args=args, train_dataset=ds,
                               processing_class=M.load_tokenizer(path), callbacks=[StepTimer()])
-        trainer._generate = timed(trainer._generate, "generate")
+        trainer._generate = after_turn(timed(trainer._generate, "generate"))
         trainer._calculate_rewards = timed(trainer._calculate_rewards, "score")
         trainer.train()
     times["step"] = [t - wait for t, wait in zip(times["step"], turns.waits, strict=True)]

@@ -23,7 +23,6 @@ last assistant message of a conversation is the response). `python dpo.py export
 """
 
 import json
-import os
 import random
 import sys
 import time
@@ -406,12 +405,7 @@ def validate(cfg: DPOConfig, world: int) -> None:
 def train_dpo(cfg: DPOConfig) -> dict:
     rank, world = dist.init(cfg.dist_timeout_s)
     validate(cfg, world)
-    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
-    torch.manual_seed(cfg.seed)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
-    if device.type == "cpu":
-        dist.reuse_freed_memory()
+    device, bf16 = train.setup_process(cfg)
     out = Path(cfg.out_dir or f"runs/dpo-{time.strftime('%Y%m%d-%H%M%S')}")
     if dist.is_main():
         out.mkdir(parents=True, exist_ok=True)

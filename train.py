@@ -475,18 +475,23 @@ def check(checks: list[tuple[bool, str]]) -> None:
             raise SystemExit(f"error: {msg}")
 
 
+def setup_process(cfg) -> tuple[torch.device, bool]:
+    """(device, bf16) of this rank, after setting its torch threads and seed; on CPU, glibc keeps freed memory for
+    the next step (no page faults on every step's activations: distributed.reuse_freed_memory). GRPO and DPO."""
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu":
+        dist.reuse_freed_memory()
+    return device, cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+
+
 def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     """Run GRPO; `engine` lets a caller (the tests) bring an engine that already holds the base model's weights."""
     rank, world = dist.init(cfg.dist_timeout_s)
     validate(cfg, world)
-    threads = cfg.threads or os.cpu_count() or 1
-    torch.set_num_threads(threads)
-    torch.manual_seed(cfg.seed)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    device, bf16 = setup_process(cfg)
     engine_dtype = torch.bfloat16 if bf16 else torch.float32
-    if device.type == "cpu":
-        dist.reuse_freed_memory()  # no page faults on every step's activations (see there)
     out = Path(cfg.out_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if dist.is_main():
         out.mkdir(parents=True, exist_ok=True)
