@@ -283,8 +283,7 @@ def pack(pairs: list[Pair], pad_id: int) -> dict:
 def pair_logps(m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_c|x), log pi(y_r|x): each [n], summed over response tokens (averaged for IPO)."""
     b = pack(pairs, pad_id)
-    autocast = device.type == "cuda" and cfg.dtype != "float32" and dist.world_size() == 1  # FSDP2 casts itself
-    with torch.set_grad_enabled(grad), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+    with torch.set_grad_enabled(grad), train.autocast(cfg, device):
         lp, _ = M.token_logprobs(m, b["input_ids"].to(device), b["attention_mask"].to(device),
                                  b["resp_start"].to(device), b["T"], 1.0, cfg.logprob_chunk_tokens)  # [2n, T]
     s = sequence_logps(lp, b["resp_len"].to(device), average=cfg.loss == "ipo")  # [2n]

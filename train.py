@@ -42,7 +42,9 @@ class Config:
     engine: Literal["vllm", "hf"] = "vllm"  # rollout engine: colocated vLLM, or HF generate (no vLLM needed)
     tensor_parallel_size: int = 1  # vLLM tensor parallelism over this many consecutive ranks (one engine per group)
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute/engine dtype (weights stay float32); auto: bfloat16 on GPU, float32 on CPU
+    # compute and engine dtype (weights and optimizer stay float32); auto: bfloat16 on GPU, float32 on CPU, where
+    # bfloat16 pays only on CPUs with bf16 instructions (avx512_bf16, AMX): see README, Speed
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long sequences)
     dist_timeout_s: int = 600  # a collective waiting longer than this fails the run instead of hanging
     max_skipped_steps: int = 3  # stop after this many consecutive updates skipped for a non-finite loss or gradient
@@ -260,10 +262,19 @@ def _bars(cfg: Config) -> bool:
     return cfg.detailed_progress and not cfg.quiet and dist.is_main()
 
 
+def bf16_compute(cfg, device) -> bool:
+    """Whether forward and backward run in bfloat16 (GRPO and DPO): --dtype bfloat16, or auto on a GPU."""
+    return cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+
+
+def autocast(cfg, device):
+    """bf16 compute for a single process; FSDP2 casts sharded models itself (distributed.shard), on GPU and CPU."""
+    on = bf16_compute(cfg, device) and dist.world_size() == 1
+    return torch.autocast(device.type, torch.bfloat16, enabled=on)
+
+
 def _logprobs(m, mb: dict, cfg: Config, device, grad: bool):
-    # bf16 compute: FSDP2 casts sharded models itself; a single process uses autocast
-    autocast = device.type == "cuda" and cfg.dtype != "float32" and dist.world_size() == 1
-    with torch.set_grad_enabled(grad), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+    with torch.set_grad_enabled(grad), autocast(cfg, device):
         return M.token_logprobs(m, mb["input_ids"].to(device), mb["attention_mask"].to(device),
                                 mb["resp_start"].to(device), mb["T"], cfg.temperature, cfg.logprob_chunk_tokens,
                                 with_entropy=grad)
@@ -483,7 +494,7 @@ def setup_process(cfg) -> tuple[torch.device, bool]:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu":
         dist.reuse_freed_memory()
-    return device, cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    return device, bf16_compute(cfg, device)
 
 
 def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:

@@ -114,3 +114,32 @@ def test_logged_means_count_every_sequence_even_when_overlong_filtering_masks_th
     row = train.train(cfg, engine=vllm_engine)["history"][1]
     assert row["truncated_frac"] == 1.0 and row["response_len_mean"] == 1.0
     assert 0.0 <= row["reward_mean"] <= 1.0 and row["loss"] == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dtype_flag_sets_the_training_compute_on_cpu(tiny_path, dtype):
+    """--dtype bfloat16 on CPU computes the trainer's forward in bf16 (autocast over float32 weights) in GRPO and
+    DPO alike; float32 stays float32. Both against an independent float64 forward of the same model."""
+    import torch
+
+    import dpo
+    import model
+
+    lm = model.load_model(tiny_path)  # float32 master weights in either case
+    seen = []
+    lm.model.layers[0].mlp.down_proj.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    g = torch.Generator().manual_seed(0)
+    prompt, resp = torch.randint(3, 90, (4, 6), generator=g), torch.randint(3, 90, (4, 20), generator=g)
+    ids = torch.cat([prompt, resp], 1)  # [4, 26]
+    mb = dict(input_ids=ids, attention_mask=torch.ones_like(ids), resp_start=torch.full((4,), 6), T=20)
+    cpu = torch.device("cpu")
+    logp = train._logprobs(model.LogprobModel(lm), mb, train.Config(dtype=dtype), cpu, grad=True)[0]  # [4, 20]
+    ref = model.token_logprobs(model.load_model(tiny_path, dtype=torch.float64), ids, mb["attention_mask"],
+                               mb["resp_start"], 20)[0]  # [4, 20] float64
+    want = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    assert seen == [want], seen
+    err = (logp.double() - ref).abs().max().item()
+    assert (err < 0.1) if dtype == "bfloat16" else (err < 1e-4), err
+    pairs = [dpo.Pair(tuple(prompt[i].tolist()), tuple(resp[i].tolist()), tuple(resp[i, :10].tolist())) for i in range(2)]
+    dpo.pair_logps(model.LogprobModel(lm), pairs, dpo.DPOConfig(dtype=dtype), cpu, pad_id=0, grad=False)
+    assert seen == [want, want], seen
