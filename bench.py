@@ -2,8 +2,9 @@
 
 `python bench.py` runs a few steps of one fixed workload through train.py's own loop (16 prompts x 8 samples x
 128 new tokens, EOS masked so that every response is exactly 128 tokens long, one update per step, no evaluation
-or checkpoints) for each engine (HF generate, vLLM) and each model (the demo's tiny base and a ~25M-parameter
-Qwen2 built locally from a config), then the same workload through TRL's GRPOTrainer, and prints one table:
+or checkpoints) for each engine (HF generate, vLLM; and HF in bf16) and each model (the demo's tiny base and a
+~25M-parameter Qwen2 built locally from a config), then the same workload through TRL's GRPOTrainer (float32,
+bf16, and as GRPOConfig comes), and prints one table:
 seconds per step in generate / score / old logprobs / update / refit / everything else, tokens generated and
 trained per second, peak memory. Each configuration runs in a subprocess of its own, so that each gets a fresh
 engine and its own peak-memory reading; all of them run in this one invocation, on this machine, so the ratios
@@ -82,10 +83,12 @@ class BenchConfig:
     steps: int = 16  # steps per run on the tiny model; the first is warm-up and left out of the medians
     large_steps: int = 4  # steps per run on the ~25M model (a step takes tens of seconds on 2 CPU cores)
     models: list[Literal["tiny", "25m"]] = field(default_factory=lambda: ["tiny", "25m"])
-    # trl: TRL's GRPOTrainer with gradient checkpointing off, like train.py (the same compute: the fair match);
-    # trl-defaults: as GRPOConfig comes, gradient checkpointing on (a recompute of every layer in backward)
-    engines: list[Literal["hf", "vllm", "trl", "trl-defaults"]] = field(
-        default_factory=lambda: ["hf", "vllm", "trl", "trl-defaults"])
+    # hf, vllm: train.py in float32 (its CPU default); hf-bf16: train.py with --dtype bfloat16 (bf16 engine weights,
+    # bf16 autocast in training). trl: TRL's GRPOTrainer in float32 with gradient checkpointing off, like train.py
+    # (the same compute: hf's match); trl-bf16: the same in bf16 mixed precision (hf-bf16's match); trl-defaults: as
+    # GRPOConfig comes (bf16 mixed precision, gradient checkpointing on: a recompute of every layer in backward)
+    engines: list[Literal["hf", "vllm", "hf-bf16", "trl", "trl-bf16", "trl-defaults"]] = field(
+        default_factory=lambda: ["hf", "vllm", "hf-bf16", "trl", "trl-bf16", "trl-defaults"])
     out: str = "runs/bench"  # where results.json and table.md are written
     # internal: run one configuration in this process and write its JSON result here
     one: str = ""
@@ -123,12 +126,14 @@ def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int, turns: T
 
     torch.set_num_threads(os.cpu_count() or 1)
     max_len = 16 + cfg.new_tokens
-    if engine_name == "vllm":
-        engine = rollout.VLLMEngine(path, max_model_len=max_len, seed=0)
+    kind, bf16 = engine_name.removesuffix("-bf16"), engine_name.endswith("-bf16")
+    if kind == "vllm":
+        engine = rollout.VLLMEngine(path, max_model_len=max_len, seed=0, dtype="bfloat16" if bf16 else "float32")
     else:
-        engine = rollout.HFEngine(path)
+        engine = rollout.HFEngine(path, dtype=torch.bfloat16 if bf16 else torch.float32)
     with tempfile.TemporaryDirectory() as tmp:
-        tcfg = train.Config(model=path, engine=engine_name, steps=steps, prompts_per_step=cfg.prompts,
+        tcfg = train.Config(model=path, engine=kind, dtype="bfloat16" if bf16 else "float32", steps=steps,
+                            prompts_per_step=cfg.prompts,
                             group_size=cfg.group_size, max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens,
                             max_seq_len=max_len, eval_every=0, checkpoint_every=0, save_final=False, plot=False,
                             quiet=True, out_dir=tmp)
@@ -148,7 +153,7 @@ def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int, turns: T
     prompt_len = statistics.mean(len(tok(t)["input_ids"]) for texts in step_prompts(cfg, steps) for t in texts)
     res["train_tokens_per_s"] = n_seq * (prompt_len + cfg.new_tokens) / (res["logprobs"] + res["update"])
     res["peak_gib"] = train.peak_memory_gib(torch.device("cpu"))
-    res["wrapped_generate"], res["direct_generate"] = wrapper_vs_direct(cfg, engine_name, engine, tok, steps - 1)
+    res["wrapped_generate"], res["direct_generate"] = wrapper_vs_direct(cfg, kind, engine, tok, steps - 1)
     return res
 
 
@@ -188,8 +193,9 @@ def wrapper_vs_direct(cfg: BenchConfig, engine_name: str, engine, tok, repeats: 
     return statistics.median(wrapped), statistics.median(direct)
 
 
-def run_trl(cfg: BenchConfig, path: str, steps: int, gradient_checkpointing: bool, turns: Turns) -> dict:
-    """The same workload through TRL's GRPOTrainer (HF generate, one update per generation batch, no KL)."""
+def run_trl(cfg: BenchConfig, path: str, steps: int, turns: Turns, **precision) -> dict:
+    """The same workload through TRL's GRPOTrainer (HF generate, one update per generation batch, no KL).
+    precision: bf16 and gradient_checkpointing for GRPOConfig; left out, GRPOConfig's defaults."""
     try:
         import datasets
         from transformers import TrainerCallback
@@ -236,20 +242,23 @@ def run_trl(cfg: BenchConfig, path: str, steps: int, gradient_checkpointing: boo
             output_dir=tmp, max_steps=steps, per_device_train_batch_size=n, gradient_accumulation_steps=1,
             num_generations=cfg.group_size, max_completion_length=cfg.new_tokens, temperature=1.0,
             generation_kwargs={"min_new_tokens": cfg.new_tokens}, learning_rate=2e-4, beta=0.0, num_iterations=1,
-            use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, seed=0,
-            disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=gradient_checkpointing,
+            use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True,
+            dataloader_num_workers=0, **precision,
         )
         trainer = GRPOTrainer(model=path, reward_funcs=exact, args=args, train_dataset=ds,
                               processing_class=M.load_tokenizer(path), callbacks=[StepTimer()])
         trainer._generate = after_turn(timed(trainer._generate, "generate"))
         trainer._calculate_rewards = timed(trainer._calculate_rewards, "score")
         trainer.train()
+        # what TRL ran with, as its accelerator and arguments say (trl-defaults leaves both to GRPOConfig)
+        config = {"mixed_precision": str(trainer.accelerator.mixed_precision),
+                  "gradient_checkpointing": args.gradient_checkpointing}
     times["step"] = [t - wait for t, wait in zip(times["step"], turns.waits, strict=True)]
     res = {k: statistics.median(v[1:]) for k, v in times.items()}
     res["steps"], res["generates"] = times["step"][1:], times["generate"][1:]
     res["gen_tokens_per_s"] = n * cfg.new_tokens / res["generate"]
     res["peak_gib"] = train.peak_memory_gib(torch.device("cpu"))
-    return res
+    return res | config
 
 
 def run_one(cfg: BenchConfig) -> None:
@@ -257,8 +266,10 @@ def run_one(cfg: BenchConfig) -> None:
     path = model_for(model_name)  # built by main already: only a lookup
     steps = cfg.steps if model_name == "tiny" else cfg.large_steps
     turns = Turns(cfg.turns)
-    if engine_name.startswith("trl"):
-        res = run_trl(cfg, path, steps, gradient_checkpointing=engine_name == "trl-defaults", turns=turns)
+    if engine_name == "trl-defaults":
+        res = run_trl(cfg, path, steps, turns)
+    elif engine_name.startswith("trl"):
+        res = run_trl(cfg, path, steps, turns, bf16=engine_name == "trl-bf16", gradient_checkpointing=False)
     else:
         res = run_ours(cfg, engine_name, path, steps, turns)
     Path(cfg.result).write_text(json.dumps(res))
@@ -285,7 +296,8 @@ def table(results: dict, cfg: BenchConfig) -> str:
             continue
         vs = "-"
         if not engine_name.startswith("trl"):
-            vs = " / ".join(ratio(r, t) for t in (results.get((model_name, e), {}) for e in ("trl", "trl-defaults")))
+            match = "trl-bf16" if engine_name.endswith("-bf16") else "trl"  # the same precision and compute
+            vs = " / ".join(ratio(r, t) for t in (results.get((model_name, e), {}) for e in (match, "trl-defaults")))
         direct = r.get("direct_generate")
         direct_s = f"{f(r['wrapped_generate'])} / {f(direct)} ({r['wrapped_generate'] / direct - 1:+.0%})" if direct else "-"
         other = r.get("other")
@@ -297,10 +309,12 @@ def table(results: dict, cfg: BenchConfig) -> str:
             f"{f(r.get('train_tokens_per_s'), 0)} | {f(r['peak_gib'], 2)} | {direct_s} | {vs} |")
     lines.append("")
     lines.append("TRL's update column is its step minus generate and score (it has no refit: the same model "
-                 "generates and trains). trl: gradient checkpointing off, as train.py by default (the same compute); "
-                 "trl-defaults: GRPOConfig's default, gradient checkpointing on. 'generate: ours / engine's own': "
-                 "medians of the two called alternately (ABBA) on the same prompts after the run. Step vs TRL: the "
-                 "median over steps of our step k / TRL's step k, which ran next to each other, and its range.")
+                 "generates and trains). hf, vllm, trl: float32; hf-bf16, trl-bf16: bf16 compute over float32 "
+                 "weights. trl, trl-bf16: gradient checkpointing off, as train.py by default (the same compute); "
+                 "trl-defaults: GRPOConfig as it comes (bf16, gradient checkpointing on). Matched: hf and vllm vs "
+                 "trl, hf-bf16 vs trl-bf16. 'generate: ours / engine's own': medians of the two called alternately "
+                 "(ABBA) on the same prompts after the run. Step vs TRL: the median over steps of our step k / "
+                 "TRL's step k, which ran next to each other, and its range.")
     return "\n".join(lines)
 
 
@@ -361,10 +375,14 @@ def main(cfg: BenchConfig) -> None:
         model_for(name)
     results = {}
     for model_name in cfg.models:
-        # the processes of one ring run side by side, taking turns; vLLM's 25M engine (8 GiB) runs on its own to
-        # keep the ring within this machine's 24 GiB
-        side = ["vllm"] if model_name == "25m" else []
-        rings = [[e for e in cfg.engines if e not in side]] + [[e] for e in cfg.engines if e in side]
+        # the processes of one ring run side by side, taking turns. At 25M all of them would not fit in this
+        # machine's 24 GiB at once: there the float32 ones and TRL's defaults form one ring, the bf16 pair
+        # another, and vLLM (8 GiB of engine) runs on its own
+        rings = [cfg.engines]
+        if model_name == "25m":
+            bf16 = ["hf-bf16", "trl-bf16"]
+            rings = [[e for e in cfg.engines if e not in bf16 + ["vllm"]], [e for e in cfg.engines if e in bf16],
+                     [e for e in cfg.engines if e == "vllm"]]
         for ring in filter(None, rings):
             results.update(run_ring(cfg, model_name, ring, out))
     text = table(results, cfg)
