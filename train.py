@@ -43,7 +43,7 @@ class Config:
     tensor_parallel_size: int = 1  # vLLM tensor parallelism over this many consecutive ranks (one engine per group)
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
     # compute and engine dtype (weights and optimizer stay float32); auto: bfloat16 on GPU, float32 on CPU, where
-    # bfloat16 pays only on CPUs with bf16 instructions (avx512_bf16, AMX): see README, Speed
+    # bfloat16 pays only on CPUs with bf16 instructions (avx512_bf16, AMX): see README, Engines
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long sequences)
     dist_timeout_s: int = 600  # a collective waiting longer than this fails the run instead of hanging
