@@ -126,14 +126,14 @@ def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int, turns: T
 
     torch.set_num_threads(os.cpu_count() or 1)
     max_len = 16 + cfg.new_tokens
-    kind, bf16 = engine_name.removesuffix("-bf16"), engine_name.endswith("-bf16")
+    kind = engine_name.removesuffix("-bf16")
+    dtype = "bfloat16" if engine_name.endswith("-bf16") else "float32"
     if kind == "vllm":
-        engine = rollout.VLLMEngine(path, max_model_len=max_len, seed=0, dtype="bfloat16" if bf16 else "float32")
+        engine = rollout.VLLMEngine(path, max_model_len=max_len, seed=0, dtype=dtype)
     else:
-        engine = rollout.HFEngine(path, dtype=torch.bfloat16 if bf16 else torch.float32)
+        engine = rollout.HFEngine(path, dtype=getattr(torch, dtype))
     with tempfile.TemporaryDirectory() as tmp:
-        tcfg = train.Config(model=path, engine=kind, dtype="bfloat16" if bf16 else "float32", steps=steps,
-                            prompts_per_step=cfg.prompts,
+        tcfg = train.Config(model=path, engine=kind, dtype=dtype, steps=steps, prompts_per_step=cfg.prompts,
                             group_size=cfg.group_size, max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens,
                             max_seq_len=max_len, eval_every=0, checkpoint_every=0, save_final=False, plot=False,
                             quiet=True, out_dir=tmp)
