@@ -33,6 +33,7 @@ import torch
 
 import data
 import model as M
+import runtime
 import train
 
 PHASES = ["generate", "score", "logprobs", "update", "refit"]
@@ -110,7 +111,7 @@ def large_model() -> str:
 
 
 def model_for(name: str) -> str:
-    return train.tiny_base() if name == "tiny" else large_model()
+    return M.resolve(M.TINY) if name == "tiny" else large_model()
 
 
 def step_prompts(cfg: BenchConfig, steps: int) -> list[list[str]]:
@@ -152,7 +153,7 @@ def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int, turns: T
     tok = M.load_tokenizer(path)
     prompt_len = statistics.mean(len(tok(t)["input_ids"]) for texts in step_prompts(cfg, steps) for t in texts)
     res["train_tokens_per_s"] = n_seq * (prompt_len + cfg.new_tokens) / (res["logprobs"] + res["update"])
-    res["peak_gib"] = train.peak_memory_gib(torch.device("cpu"))
+    res["peak_gib"] = runtime.peak_memory_gib(torch.device("cpu"))
     res["wrapped_generate"], res["direct_generate"] = wrapper_vs_direct(cfg, kind, engine, tok, steps - 1)
     return res
 
@@ -257,7 +258,7 @@ def run_trl(cfg: BenchConfig, path: str, steps: int, turns: Turns, **precision) 
     res = {k: statistics.median(v[1:]) for k, v in times.items()}
     res["steps"], res["generates"] = times["step"][1:], times["generate"][1:]
     res["gen_tokens_per_s"] = n * cfg.new_tokens / res["generate"]
-    res["peak_gib"] = train.peak_memory_gib(torch.device("cpu"))
+    res["peak_gib"] = runtime.peak_memory_gib(torch.device("cpu"))
     return res | config
 
 
@@ -286,7 +287,7 @@ def ratio(ours: dict, trl: dict) -> str:
 def table(results: dict, cfg: BenchConfig) -> str:
     f = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     lines = [f"{cfg.prompts} prompts x {cfg.group_size} samples x {cfg.new_tokens} new tokens, one update per step; "
-             "median seconds per step (first step left out)", "",
+             f"median seconds per step (first step left out). CPU: {cpu_description()}", "",
              "| model | engine | step | generate | score | old logprobs | update | refit | everything else "
              "| gen tok/s | train tok/s | peak GiB | generate: ours / engine's own | step vs TRL (matched / defaults) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -366,9 +367,32 @@ def run_ring(cfg: BenchConfig, model_name: str, engines: list[str], out: Path) -
     return results
 
 
+def cpu_description() -> str:
+    """This machine's CPU as the table names it: model, cores, and the vector extensions that decide speed here
+    (bf16 compute is emulated, and slow, without avx512_bf16 or AMX)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name}, {os.cpu_count()} cores, {' '.join(ext) or 'no AVX2'}"
+
+
+def validate(cfg: BenchConfig) -> None:
+    runtime.check([
+        (cfg.prompts >= 1, f"--prompts {cfg.prompts}: must be at least 1"),
+        (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO needs at least 2 samples per prompt"),
+        (cfg.new_tokens >= 1, f"--new-tokens {cfg.new_tokens}: must be at least 1"),
+        (cfg.steps >= 2, f"--steps {cfg.steps}: must be at least 2 (the first is warm-up)"),
+        (cfg.large_steps >= 2, f"--large-steps {cfg.large_steps}: must be at least 2 (the first is warm-up)"),
+        (bool(cfg.models) and bool(cfg.engines), "--models and --engines: name at least one each"),
+        (runtime.writable(Path(cfg.out)), f"--out {cfg.out}: cannot be written"),
+    ])
+
+
 def main(cfg: BenchConfig) -> None:
     if cfg.one:
         return run_one(cfg)
+    validate(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in cfg.models:  # build models here, once, so no subprocess times a build
@@ -394,4 +418,4 @@ def main(cfg: BenchConfig) -> None:
 if __name__ == "__main__":
     import tyro
 
-    main(tyro.cli(BenchConfig))
+    runtime.one_line_errors(lambda: main(tyro.cli(BenchConfig)))

@@ -69,17 +69,23 @@ def read_rows(path: str):
     p = Path(path)
     if p.suffix and not p.exists():
         raise DataError(f"{path}: no such file")
+    # utf-8-sig: a byte-order mark, as some editors save, is read as nothing; CRLF line ends are read as LF
     if p.suffix == ".jsonl":
-        with open(p) as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield i, json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{path}: row {i}: not valid JSON ({e.msg})")
+        try:
+            lines = p.read_text(encoding="utf-8-sig").splitlines()
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text (byte {e.start})")
+        for i, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    yield i, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}: row {i}: not valid JSON ({e.msg})")
     elif p.suffix == ".json":
         try:
-            rows = json.loads(p.read_text())
+            rows = json.loads(p.read_text(encoding="utf-8-sig"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text (byte {e.start})")
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})")
         if not isinstance(rows, list):
@@ -122,6 +128,26 @@ def split_problems(problems: list[Problem], val_fraction: float, seed: int = 0) 
     random.Random(seed).shuffle(order)
     n_val = int(round(len(problems) * val_fraction))
     return [problems[i] for i in order[n_val:]], [problems[i] for i in order[:n_val]]
+
+
+def read_template(path: str) -> str | None:
+    """The text of a --prompt-template file (None for ""): it must hold {problem}, where each problem goes."""
+    if not path:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"--prompt-template {path}: no such file")
+    try:
+        text = p.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"--prompt-template {path}: not UTF-8 text (byte {e.start})")
+    if "{problem}" not in text:
+        raise DataError(f"--prompt-template {path}: no {{problem}} in it, so every prompt would be the same")
+    try:
+        text.format(problem="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise DataError(f"--prompt-template {path}: braces other than {{problem}} must be doubled ({e!r})")
+    return text
 
 
 def math_prompt(tok, problem: str, template: str | None = None) -> list[int]:

@@ -14,8 +14,8 @@ What it does:
 
 - checkpoints: save_checkpoint / load_checkpoint with torch.distributed.checkpoint (each rank writes its shards of
   the model and the optimizer; one small file per rank holds what must come back exactly: RNG states, the data
-  order), written to a temporary folder and renamed into place only when complete; latest_checkpoint never sees a
-  half-written one.
+  order), written to a temporary folder and renamed into place only when complete; checkpoint_problem says why a
+  folder that is there cannot be resumed from (cut short by a full disk, a partial copy).
 
 What it does not do: decide what to shard beyond "each decoder layer", or what goes into a checkpoint's extras.
 """
@@ -163,10 +163,35 @@ def barrier() -> None:
         dist.barrier()
 
 
-def latest_checkpoint(folder: Path) -> Path | None:
-    """The newest complete checkpoint folder (step_NNNNNN with its meta.json) in `folder`, or None."""
-    done = sorted(p for p in Path(folder).glob("step_*") if (p / "meta.json").exists())
-    return done[-1] if done else None
+def checkpoints(folder: Path) -> list[Path]:
+    """The checkpoint folders (step_NNNNNN) in `folder`, oldest first. A save killed before its rename left only a
+    .tmp-step_NNNNNN folder, which is never listed."""
+    return sorted(p for p in Path(folder).glob("step_*") if p.is_dir())
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint folder cannot be resumed from (a few words), or None when all its files are there and
+    its meta.json reads."""
+    try:
+        meta = json.loads((Path(path) / "meta.json").read_text())
+    except FileNotFoundError:
+        return "no meta.json"
+    except ValueError:
+        return "meta.json is not valid JSON: cut short?"
+    except OSError as e:
+        return f"meta.json unreadable: {e.strerror}"
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        return "meta.json has no step"
+    if not (Path(path) / ".metadata").is_file():
+        return "no .metadata: the model and optimizer shards are incomplete"
+    missing = [r for r in range(meta.get("world", 1)) if not (Path(path) / f"rank{r}.pt").is_file()]
+    return f"no rank{missing[0]}.pt" if missing else None
+
+
+def any_rank(problem: str | None) -> str | None:
+    """`problem` where this rank has one; else a note when another rank has one; else None. All ranks agree."""
+    others = all_reduce_max(torch.tensor([float(problem is not None)])).item() > 0
+    return problem or ("failed on another rank" if others else None)
 
 
 def save_checkpoint(folder: Path, step: int, model, optimizer, meta: dict, rank_state: dict, keep: int) -> Path:
@@ -187,10 +212,13 @@ def save_checkpoint(folder: Path, step: int, model, optimizer, meta: dict, rank_
     torch.save(rank_state, tmp / f"rank{rank()}.pt")
     barrier()
     if is_main():
-        (tmp / "meta.json").write_text(json.dumps(dict(meta, step=step), indent=1))  # last: marks it complete
+        (tmp / "meta.json").write_text(json.dumps(dict(meta, step=step, world=world_size()), indent=1))  # last
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for old in sorted(p for p in Path(folder).glob("step_*") if (p / "meta.json").exists())[:-keep]:
+        # the newest `keep` up to this step stay; any later one is from a timeline this run replaced (it started
+        # over: --no-resume, or every checkpoint was damaged) and would be picked up by the next resume
+        done = checkpoints(folder)
+        for old in [c for c in done if c.name > final.name] + [c for c in done if c.name <= final.name][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
@@ -218,3 +246,12 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
 def close() -> None:
     if _OURS and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def gather_to_main(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on rank 0 (picklable objects; a collective), [] elsewhere; [obj] alone."""
+    if not _OURS:
+        return [obj]
+    out = [None] * world_size() if is_main() else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import data
 import distributed as dist
 import model as M
+import runtime
 import train
 from logs import RunLog
 
@@ -283,7 +284,7 @@ def pack(pairs: list[Pair], pad_id: int) -> dict:
 def pair_logps(m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_c|x), log pi(y_r|x): each [n], summed over response tokens (averaged for IPO)."""
     b = pack(pairs, pad_id)
-    with torch.set_grad_enabled(grad), train.autocast(cfg, device):
+    with torch.set_grad_enabled(grad), runtime.autocast(cfg, device):
         lp, _ = M.token_logprobs(m, b["input_ids"].to(device), b["attention_mask"].to(device),
                                  b["resp_start"].to(device), b["T"], 1.0, cfg.logprob_chunk_tokens)  # [2n, T]
     s = sequence_logps(lp, b["resp_len"].to(device), average=cfg.loss == "ipo")  # [2n]
@@ -381,7 +382,7 @@ def evaluate_task(engine, policy, tok, cfg: DPOConfig, problems: list[data.Probl
 
 
 def model_path(cfg: DPOConfig) -> str:
-    return train.tiny_base() if cfg.model == M.TINY else cfg.model
+    return M.resolve(cfg.model)
 
 
 def validate(cfg: DPOConfig, world: int) -> None:
@@ -398,13 +399,13 @@ def validate(cfg: DPOConfig, world: int) -> None:
          f"--max-new-tokens {cfg.max_new_tokens}: must be positive and below --max-seq-len {cfg.max_seq_len}"),
         (0.0 <= cfg.val_fraction < 1.0, f"--val-fraction {cfg.val_fraction}: must be in [0, 1)"),
     ]
-    train.check(checks + train.run_checks(cfg))
+    runtime.check(checks + runtime.run_checks(cfg))
 
 
 def train_dpo(cfg: DPOConfig) -> dict:
     rank, world = dist.init(cfg.dist_timeout_s)
     validate(cfg, world)
-    device, bf16 = train.setup_process(cfg)
+    device, bf16 = runtime.setup_process(cfg)
     out = Path(cfg.out_dir or f"runs/dpo-{time.strftime('%Y%m%d-%H%M%S')}")
     if dist.is_main():
         out.mkdir(parents=True, exist_ok=True)
@@ -417,8 +418,8 @@ def train_dpo(cfg: DPOConfig) -> dict:
     heldout_pairs = encode_pairs(tok, heldout_rows, cfg.max_seq_len, "held-out") if heldout_rows else []
     if len(train_pairs) < cfg.batch_size:
         raise SystemExit(f"error: --batch-size {cfg.batch_size}: only {len(train_pairs)} training pairs")
-    policy = train.load_trainable(path, device, bf16, cfg.activation_checkpointing, cfg.trust_remote_code)
-    ref = train.load_trainable(path, device, bf16, False, cfg.trust_remote_code).eval().requires_grad_(False)
+    policy = runtime.load_trainable(path, device, bf16, cfg.activation_checkpointing, cfg.trust_remote_code)
+    ref = runtime.load_trainable(path, device, bf16, False, cfg.trust_remote_code).eval().requires_grad_(False)
     engine = None
     if heldout_problems and cfg.eval_every:  # task accuracy of the synthetic demo: generate with HF
         from rollout import HFEngine
@@ -439,9 +440,9 @@ def train_dpo(cfg: DPOConfig) -> dict:
     from tqdm import tqdm
 
     log = RunLog(out, cfg.tensorboard, cfg.wandb_project, asdict(cfg)) if dist.is_main() else None
-    ckpt = dist.latest_checkpoint(out / "checkpoints") if cfg.resume else None
-    if ckpt is not None:
-        start = train.resume_step(ckpt, policy, opt, sched, stream)
+    resumed = runtime.resume(out / "checkpoints", policy, opt, sched, stream) if cfg.resume else None
+    if resumed is not None:
+        ckpt, start = resumed
         history = log.start(keep_until=start) if log else []
         dist.print0(f"resumed from {ckpt} at step {start}")
     else:
@@ -455,7 +456,7 @@ def train_dpo(cfg: DPOConfig) -> dict:
                dynamic_ncols=True)
     share = cfg.batch_size // world
     t_start, bad_steps, stop, saved = time.time(), 0, False, None
-    ctrl_c = train.CtrlC(install=__name__ == "__main__")
+    ctrl_c = runtime.CtrlC(install=__name__ == "__main__")
     for step in bar:
         t0 = time.time()
         ids = stream.take(cfg.batch_size)[rank * share : (rank + 1) * share]  # this rank's share of the global batch
@@ -473,7 +474,7 @@ def train_dpo(cfg: DPOConfig) -> dict:
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             last_eval = evaluate(step)
             row.update(last_eval)
-        row["peak_mem_gib"] = train.peak_memory_gib(device)
+        row["peak_mem_gib"] = runtime.peak_memory_gib(device)
         row["time_step"] = time.time() - t0
         row["elapsed"] = time.time() - t_start
         history.append(row)
@@ -483,7 +484,7 @@ def train_dpo(cfg: DPOConfig) -> dict:
                             heldout=f"{last_eval.get('heldout_pref_acc', 0):.2f}")
         stop = dist.all_reduce_max(torch.tensor([float(ctrl_c.is_set())])).item() > 0
         if stop or (cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps)):
-            saved = train.save_step(out, step, policy, opt, sched, stream, {"config": asdict(cfg), "algo": "dpo"},
+            saved = runtime.save_step(out, step, policy, opt, sched, stream, {"config": asdict(cfg), "algo": "dpo"},
                                     cfg.keep_checkpoints)
         if stop:
             break
@@ -495,7 +496,7 @@ def train_dpo(cfg: DPOConfig) -> dict:
         dist.close()
         raise SystemExit(130)
     if cfg.save_final:
-        train.save_hf(policy.lm, tok, out / "final")
+        runtime.save_hf(policy.lm, tok, out / "final")
     summary = dict(out_dir=str(out), minutes=(time.time() - t_start) / 60, pairs=len(train_pairs),
                    first={k: v for k, v in history[0].items() if k.startswith("heldout")},
                    last={k: v for k, v in last_eval.items() if k.startswith("heldout")})
@@ -504,16 +505,11 @@ def train_dpo(cfg: DPOConfig) -> dict:
     return dict(history=history, out_dir=str(out))
 
 
-def export_hf(checkpoint: str, out: str) -> None:
-    """`python dpo.py export RUN/checkpoints/step_NNNNNN OUT`: the HF checkpoint of any saved DPO step."""
-    train.export_hf(checkpoint, out, DPOConfig, model_path)
-
-
 def main(argv: list[str]) -> None:
     import tyro
 
-    train.one_line_errors(lambda: export_hf(*train.export_args(argv, "dpo.py")) if argv[:1] == ["export"]
-                          else train_dpo(tyro.cli(DPOConfig, args=argv)))
+    runtime.one_line_errors(lambda: runtime.export_hf(argv, "dpo.py") if argv[:1] == ["export"]
+                            else train_dpo(tyro.cli(DPOConfig, args=argv)))
 
 
 if __name__ == "__main__":

@@ -7,9 +7,13 @@ by default: k = 16, temperature 0.6, top_p 0.95, 32768 new tokens), scores each 
 to a JSONL (written aside and renamed, never half-written) and prints a table: correct/k per problem, pass@1 with a
 95% confidence interval, pass@k, mean response length and the fraction truncated.
 
+Under torchrun the problems are split over the engines (one per rank, or per --tensor-parallel-size ranks) and
+the figures are those one process would write.
+
 What it does not do: train, or score any other way than reward.py does.
 
     python eval_aime.py --model runs/<run>/final --data aime24.jsonl
+    torchrun --nproc_per_node 8 eval_aime.py --model runs/<run>/final --data aime24.jsonl
 """
 
 import json
@@ -17,24 +21,26 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 
 @dataclass
 class EvalConfig:
-    model: str  # HF path or hub name (e.g. a run's <out_dir>/final)
+    model: str  # HF folder (e.g. a run's <out_dir>/final), hub name, or a built-in base ("tiny")
     data: str  # problems: .jsonl / .json / .parquet, or an HF dataset name[:split]
     out: str = "eval_samples.jsonl"  # every sample, one JSON line each
     problem_field: str = "problem"  # field holding the problem text
     answer_field: str = "answer"  # field holding the gold answer
     prompt_template: str = ""  # a text file with {problem}, used instead of the chat template + instruction
-    reward: str = "math"  # math: last \boxed{} checked by math-verify; exact: the whole response equals the answer
+    reward: Literal["math", "exact"] = "math"  # math: last \boxed{} checked by math-verify; exact: the whole response
+    #   equals the answer
     k: int = 16  # samples per problem
     temperature: float = 0.6  # sampling temperature
     top_p: float = 0.95  # nucleus sampling
     max_tokens: int = 32768  # response length limit
     max_model_len: int = 0  # prompt + response; 0 = longest prompt + max_tokens
     tensor_parallel_size: int = 1  # vLLM tensor parallelism (GPUs per engine)
-    dtype: str = "auto"  # vLLM dtype (auto: bfloat16 on GPU; float32 on CPU)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # vLLM dtype (auto: bf16 on GPU, float32 on CPU)
     seed: int = 0  # sampling seed
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
 
@@ -59,33 +65,63 @@ def summarize(rows: list[dict], n_problems: int, k: int) -> dict:
             "truncated_frac": sum(r["truncated"] for r in rows) / len(rows), "correct": correct}
 
 
+def validate(cfg: EvalConfig, world: int) -> None:
+    """One line naming the bad flag, before any model or engine loads."""
+    import runtime
+
+    runtime.check([
+        *runtime.model_checks("--model", cfg.model),
+        (cfg.k >= 1, f"--k {cfg.k}: must be at least 1"),
+        (cfg.temperature >= 0, f"--temperature {cfg.temperature}: must be 0 (greedy) or positive"),
+        (0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"),
+        (cfg.max_tokens >= 1, f"--max-tokens {cfg.max_tokens}: must be at least 1"),
+        (cfg.max_model_len == 0 or cfg.max_model_len > cfg.max_tokens,
+         f"--max-model-len {cfg.max_model_len}: must be 0 (auto) or above --max-tokens {cfg.max_tokens}"),
+        (cfg.tensor_parallel_size >= 1 and world % cfg.tensor_parallel_size == 0,
+         f"--tensor-parallel-size {cfg.tensor_parallel_size}: must divide the {world} ranks"),
+        (runtime.writable(Path(cfg.out).absolute().parent), f"--out {cfg.out}: cannot be written"),
+    ])
+
+
 def main(cfg: EvalConfig, engine=None) -> dict:
-    """Run the evaluation; `engine` lets a caller (the tests) bring a vLLM engine that holds the model already."""
+    """Run the evaluation; `engine` lets a caller (the tests) bring a vLLM engine that holds the model already.
+
+    Under torchrun each engine (each rank, or each group of --tensor-parallel-size ranks) samples its share of the
+    problems; rank 0 gathers the samples and writes the same JSONL and figures as one process would: every
+    problem's seed is its index in the file, whatever the split."""
     import data
+    import distributed as dist
     import model
     import reward
     import rollout
 
-    if cfg.reward not in ("math", "exact"):
-        raise SystemExit(f"error: --reward {cfg.reward}: use math or exact")
-    if cfg.prompt_template and not Path(cfg.prompt_template).is_file():
-        raise SystemExit(f"error: --prompt-template {cfg.prompt_template}: no such file")
+    rank, world = dist.init()
+    validate(cfg, world)
     problems = data.load_problems(cfg.data, cfg.problem_field, cfg.answer_field)  # bad rows stop here
-    tok = model.load_tokenizer(cfg.model, cfg.trust_remote_code)
-    template = Path(cfg.prompt_template).read_text() if cfg.prompt_template else None
+    template = data.read_template(cfg.prompt_template)
+    path = model.resolve(cfg.model)
+    tok = model.load_tokenizer(path, cfg.trust_remote_code)
     prompts = [data.math_prompt(tok, p.prompt, template) for p in problems]
     max_len = cfg.max_model_len or max(map(len, prompts)) + cfg.max_tokens
-    engine = engine or rollout.VLLMEngine(cfg.model, max_model_len=max_len, seed=cfg.seed, dtype=cfg.dtype,
-                                tensor_parallel_size=cfg.tensor_parallel_size, trust_remote_code=cfg.trust_remote_code)
-    samples = engine.generate(prompts, n=cfg.k, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                              top_p=cfg.top_p, seed=cfg.seed)
+    tp = cfg.tensor_parallel_size
+    group, groups = rank // tp, world // tp
+    first, last = group * len(prompts) // groups, (group + 1) * len(prompts) // groups
+    engine = engine or rollout.VLLMEngine(path, max_model_len=max_len, seed=cfg.seed, dtype=cfg.dtype,
+                                          tensor_parallel_size=tp, trust_remote_code=cfg.trust_remote_code,
+                                          external_launcher=world > 1)
+    samples = engine.generate(prompts[first:last], n=cfg.k, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                              top_p=cfg.top_p, seed=cfg.seed, first_index=first)
     score = reward.math_reward if cfg.reward == "math" else reward.exact_reward
     rows = []
     for s in samples:
+        i = first + s.prompt_idx
         text = tok.decode(s.token_ids, skip_special_tokens=True)
-        rows.append({"problem_idx": s.prompt_idx, "answer": problems[s.prompt_idx].answer, "response": text,
-                     "reward": score(text, problems[s.prompt_idx].answer), "truncated": s.truncated,
-                     "tokens": len(s.token_ids)})
+        rows.append({"problem_idx": i, "answer": problems[i].answer, "response": text,
+                     "reward": score(text, problems[i].answer), "truncated": s.truncated, "tokens": len(s.token_ids)})
+    rows = [r for part in dist.gather_to_main(rows if rank % tp == 0 else []) for r in part]
+    if not dist.is_main():
+        dist.close()
+        return {}
     out, tmp = Path(cfg.out), Path(cfg.out + ".tmp")
     with open(tmp, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -95,21 +131,20 @@ def main(cfg: EvalConfig, engine=None) -> dict:
         print(f"problem {i:4d}  {c:3d}/{cfg.k}  gold {problems[i].answer[:40]}")
     lo, hi = summary["ci95"]
     print(f"\n{cfg.model} on {cfg.data}: {len(problems)} problems x {cfg.k} samples (T={cfg.temperature}, "
-          f"top_p={cfg.top_p})\n"
+          f"top_p={cfg.top_p}, {groups} engine{'s' if groups > 1 else ''})\n"
           f"pass@1 {summary['pass@1']:.4f}  (95% CI {lo:.4f} .. {hi:.4f})   pass@{cfg.k} {summary[f'pass@{cfg.k}']:.4f}\n"
           f"mean response {summary['mean_response_tokens']:.0f} tokens, truncated {summary['truncated_frac']:.3f}\n"
           f"samples in {out}")
-    (out.with_suffix(".summary.json")).write_text(json.dumps({"config": asdict(cfg), **summary}, indent=1))
+    summary_file = out.with_suffix(".summary.json")
+    summary_file.with_suffix(".tmp").write_text(json.dumps({"config": asdict(cfg), **summary}, indent=1))
+    summary_file.with_suffix(".tmp").replace(summary_file)
+    dist.close()
     return summary
 
 
 if __name__ == "__main__":
     import tyro
 
-    try:
-        main(tyro.cli(EvalConfig))
-    except SystemExit as e:  # bad flags and bad data: one line on stderr, exit status 2
-        if isinstance(e.code, str) and e.code.startswith("error:"):
-            print(e.code, file=sys.stderr)
-            sys.exit(2)
-        raise
+    import runtime
+
+    runtime.one_line_errors(lambda: main(tyro.cli(EvalConfig)))

@@ -28,9 +28,7 @@ class RunLog:
 
     def start(self, keep_until: int | None) -> list[dict]:
         """A fresh file (keep_until None), or the rows up to step keep_until of an interrupted run."""
-        rows = []
-        if keep_until is not None and self.path.exists():
-            rows = [r for r in map(json.loads, self.path.read_text().splitlines()) if r["step"] <= keep_until]
+        rows = [r for r in read_rows(self.path) if r["step"] <= keep_until] if keep_until is not None else []
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.replace(self.path)
@@ -64,6 +62,17 @@ PANELS = [  # (title, [(metric, label)])
 ]
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl ([] when there is none); a last line cut short by a kill is left out."""
+    rows = []
+    for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
 def plot(run: Path) -> Path:
     """Draw <run>/curves.png from <run>/metrics.jsonl."""
     import matplotlib
@@ -71,7 +80,7 @@ def plot(run: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in open(Path(run) / "metrics.jsonl")]
+    rows = read_rows(Path(run) / "metrics.jsonl")
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (title, series) in zip(axes.flat, PANELS):
         for key, label in series:
@@ -91,7 +100,18 @@ def plot(run: Path) -> Path:
     return out
 
 
+def main(argv: list[str]) -> None:
+    import runtime
+
+    runtime.check([(len(argv) == 1, "usage: python logs.py RUN_FOLDER")])
+    run = Path(argv[0])
+    runtime.check([(run.is_dir(), f"{run}: no such run folder"),
+                   (bool(read_rows(run / "metrics.jsonl")), f"{run}: no metrics.jsonl with a readable row"),
+                   (runtime.writable(run), f"{run}: cannot be written (curves.png goes there)")])
+    print(plot(run))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python logs.py RUN_FOLDER")
-    print(plot(Path(sys.argv[1])))
+    import runtime
+
+    runtime.one_line_errors(lambda: main(sys.argv[1:]))

@@ -2,7 +2,7 @@
 
 What it does:
 - load_model / load_tokenizer: any HF causal LM by local path or hub name; trust_remote_code stays off unless the
-  caller turns it on.
+  caller turns it on. resolve: what a --model value names (`tiny`: the built-in base, built on first use).
 - ensure_tiny_base: the demo's and the tests' base model. Made on first use and cached on disk as a real HF
   checkpoint (Qwen2ForCausalLM, head_dim 64 because vLLM's CPU attention rejects 16, and an HF fast tokenizer
   saved beside it), so the tiny model and a real one go through the same loading code and the same vLLM engine.
@@ -27,8 +27,18 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 TINY = "tiny"  # the --model value that names the built-in base model
+BUILTIN = (TINY,)  # --model values that name a base model built here, on first use
 TINY_VERSION = 4  # bump when the recipe below changes, so stale caches are rebuilt
 DEFAULT_CACHE = Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-minimal"))
+
+
+def resolve(name: str) -> str:
+    """The path of a --model value: a built-in base's name (built on first use, cached), else the value itself."""
+    if name == TINY:
+        import data
+
+        return ensure_tiny_base(lambda: data.noisy_corpus(data.sum3_split()[0], 200_000, noise=0.65))
+    return name
 
 
 def _needs_remote_code(path: str, err: Exception):
@@ -42,6 +52,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except ValueError as err:
         _needs_remote_code(path, err)
+    except OSError as err:  # a hub name without network, or a folder without tokenizer files
+        raise SystemExit(f"error: {path}: no tokenizer could be loaded ({str(err).splitlines()[0][:160]})") from err
     if tok.pad_token_id is None:  # right padding only ever fills positions the loss masks out
         tok.pad_token = tok.eos_token
     return tok
@@ -164,7 +176,9 @@ def save_new(out: Path, model, tok, extra_files: dict[str, str] | None = None) -
 
 
 def _logp_entropy_chunk(hidden, lm_head_weight, targets, temperature: float, with_entropy: bool):
-    logits = (hidden @ lm_head_weight.t()).float() / temperature  # [n, V] float32, only n tokens at a time
+    logits = hidden @ lm_head_weight.t()  # [n, V], only n tokens at a time
+    # at least float32 (bf16 logits lose the logprob's digits); float64 stays float64 (the equivalence tests)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     logz = torch.logsumexp(logits, dim=-1)  # [n]
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # [n]
     if not with_entropy:
@@ -224,8 +238,9 @@ class LogprobModel(torch.nn.Module):
                 lp, en = _logp_entropy_chunk(*args)
             logps.append(lp)
             ents.append(en)
-        out_lp = hidden.new_zeros(B, resp_len, dtype=torch.float32)
-        out_en = hidden.new_zeros(B, resp_len, dtype=torch.float32)
+        out_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        out_lp = hidden.new_zeros(B, resp_len, dtype=out_dtype)
+        out_en = hidden.new_zeros(B, resp_len, dtype=out_dtype)
         if logps:
             out_lp = out_lp.index_put((rows, cols), torch.cat(logps))
             out_en = out_en.index_put((rows, cols), torch.cat(ents))

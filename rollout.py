@@ -104,7 +104,9 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM start-up changed torch threads {threads} -> {torch.get_num_threads()}")
 
     def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False,
-                 min_tokens=0) -> list[Sample]:
+                 min_tokens=0, first_index=0) -> list[Sample]:
+        """first_index: the index of prompts[0] in a larger list split over engines (eval_aime.py under torchrun),
+        so each prompt's seed, and so its samples, do not depend on how the list was split."""
         from vllm import SamplingParams, TokensPrompt
 
         if self.asleep:  # waking here would sample from the weights it slept with, not the trainer's newest
@@ -112,7 +114,8 @@ class VLLMEngine:
         # One seed per prompt: a single seed shared by all requests would feed every prompt the same random
         # draws, correlating samples across groups.
         sps = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
-                              min_tokens=min_tokens, seed=None if seed is None else seed * 1_000_003 + i) for i in range(len(prompts))]
+                              min_tokens=min_tokens, seed=None if seed is None else seed * 1_000_003 + first_index + i)
+               for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=progress)
         samples = []
         for i, out in enumerate(outs):
@@ -185,6 +188,48 @@ class HFEngine:
         tok = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
         self.eos, self.pad = tok.eos_token_id, tok.pad_token_id
         self.batch_size = batch_size
+        self.fast_cpu_decode = self.model.device.type == "cpu" and self._fast_cpu_decode_pays()
+
+    def _fast_cpu_decode_pays(self) -> bool:
+        """Whether this CPU generates faster from this model with matmul attention and a KV cache preallocated for
+        prompt + max_tokens (no re-concatenation of the whole cache at every token) than with transformers'
+        defaults (SDPA, a growing cache).
+
+        Both help on some CPUs and not on others (docs/speed.md), so each machine measures it once per model
+        shape and dtype (32 rows x 32 tokens each way, three times, alternating: a few seconds) and keeps the
+        answer in the model cache, which every later engine on the machine reads: runs stay reproducible.
+        """
+        import hashlib
+        import json
+        import time
+
+        from model import DEFAULT_CACHE
+
+        cpu = sorted({ln for ln in open("/proc/cpuinfo") if ln.startswith(("model name", "flags"))}) \
+            if os.path.exists("/proc/cpuinfo") else []  # the CPU's model and its instruction-set extensions
+        shape = {k: v for k, v in self.model.config.to_dict().items() if not k.startswith("_")}  # not its path
+        what = [cpu, os.cpu_count(), torch.__version__, shape, str(self.model.dtype)]
+        key = hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+        path = DEFAULT_CACHE / "cpu-decode" / f"{key[:16]}.json"
+        if path.exists():
+            return json.loads(path.read_text())["fast"]
+        flat = [(0, list(range(1, 9)))] * 32
+        times = {True: [], False: []}
+        with torch.random.fork_rng():  # the measurement leaves the caller's random stream as it was
+            for fast in (True, False) * 3:
+                t = time.perf_counter()
+                self._generate_batch(flat, 32, 1.0, 1.0, min_tokens=32, fast=fast)
+                times[fast].append(time.perf_counter() - t)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"fast": min(times[True]) < min(times[False]), "seconds": times}))
+        try:  # the first answer written stays: processes that measured at the same time (ranks) all take it
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        return json.loads(path.read_text())["fast"]
 
     @torch.no_grad()
     def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False,
@@ -196,25 +241,23 @@ class HFEngine:
         flat = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
         samples = []
         for s in tqdm(range(0, len(flat), self.batch_size), desc="generate", disable=not progress, leave=False):
-            samples += self._generate_batch(flat[s : s + self.batch_size], max_tokens, temperature, top_p, min_tokens)
+            samples += self._generate_batch(flat[s : s + self.batch_size], max_tokens, temperature, top_p, min_tokens,
+                                            self.fast_cpu_decode)
         return samples
 
-    def _generate_batch(self, flat, max_tokens, temperature, top_p, min_tokens=0) -> list[Sample]:
+    def _generate_batch(self, flat, max_tokens, temperature, top_p, min_tokens=0, fast=False) -> list[Sample]:
         width = max(len(p) for _, p in flat)
         ids = torch.full((len(flat), width), self.pad, dtype=torch.long)  # left-padded for generate
         am = torch.zeros_like(ids)
         for r, (_, p) in enumerate(flat):
             ids[r, width - len(p) :] = torch.tensor(p)
             am[r, width - len(p) :] = 1
-        cpu = self.model.device.type == "cpu"
         if getattr(self.model, "set_attn_implementation", None):
-            # On CPU, decoding one token against the KV cache is faster as plain matmuls than through SDPA's flash
-            # kernel (measured on 2 cores: generate 10-12% faster on the tiny model, 4% on 25M, 8% at 1024 new
-            # tokens), but plain attention holds [rows, heads, width, width] scores during the prompt's forward:
-            # only while those stay small (<= 256 MiB a layer), and never on GPU.
+            # plain attention holds [rows, heads, width, width] scores during the prompt's forward: only while
+            # those stay small (<= 256 MiB a layer)
             heads = self.model.config.num_attention_heads
             small = len(flat) * heads * width * width * 4 <= 2**28
-            self.model.set_attn_implementation("eager" if cpu and small else "sdpa")
+            self.model.set_attn_implementation("eager" if fast and small else "sdpa")
         greedy = temperature == 0
         rec = _SampledLogprobs(temperature or 1.0)
         out = self.model.generate(
@@ -222,10 +265,8 @@ class HFEngine:
             min_new_tokens=min_tokens or None, do_sample=not greedy, temperature=None if greedy else temperature,
             top_p=None if greedy else top_p, top_k=None, eos_token_id=self.eos, pad_token_id=self.pad,
             logits_processor=LogitsProcessorList([rec]), return_dict_in_generate=True,
-            # On CPU a KV cache preallocated for prompt + max_tokens saves re-concatenating the whole cache at every
-            # token (measured: ~7% of generate on the tiny model). On GPU transformers would torch.compile the
-            # model for a static cache, once per new batch shape, so there the growing cache stays.
-            cache_implementation="static" if cpu else None,
+            # never on GPU: there transformers would torch.compile the model for a static cache, per batch shape
+            cache_implementation="static" if fast else None,
         )
         new = out.sequences[:, width:]  # [N, t]
         logp = rec.finish(new).cpu()  # [N, t]

@@ -11,14 +11,10 @@ Also here: the DeepScaleR stage presets (STAGES), config validation, and `python
 What it does not do: anything the files it calls own. Tasks, datasets and prompts live in data.py.
 """
 
-import importlib.util
 import json
 import os
 import random
-import shutil
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -32,6 +28,7 @@ import grpo
 import model as M
 import reward
 import rollout
+import runtime
 from logs import RunLog, plot
 
 
@@ -112,13 +109,8 @@ class Config:
 
 
 def model_path(cfg: "Config") -> str:
-    """Where the run's starting weights are: --init-from, else --model (the built-in base built on first use)."""
-    return cfg.init_from or (tiny_base() if cfg.model == M.TINY else cfg.model)
-
-
-def tiny_base() -> str:
-    """The built-in base model: pretrained on data.py's corpus where 65% of the answers forget the last digit (built once)."""
-    return M.ensure_tiny_base(lambda: data.noisy_corpus(data.sum3_split()[0], 200_000, noise=0.65))
+    """Where the run's starting weights are: --init-from, else --model (a built-in base is built on first use)."""
+    return cfg.init_from or M.resolve(cfg.model)
 
 
 @dataclass
@@ -242,39 +234,13 @@ def evaluate(engine, tok, cfg: Config, problems: list[data.Problem], prompts: li
     return {"heldout_pass1": tot[0] / tot[1], "heldout_greedy": tot[2] / tot[3]} if tot[1] else {}
 
 
-def peak_memory_gib(device) -> float:
-    """This rank's peak memory: GPU memory allocated by torch, or the process's peak resident set on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
-
-
-def load_trainable(path: str, device, bf16: bool, checkpointing: bool, trust_remote_code: bool = False) -> M.LogprobModel:
-    """An HF model in float32 (the optimizer's master weights), wrapped to return logprobs, sharded over ranks."""
-    lm = M.load_model(path, dtype=torch.float32, trust_remote_code=trust_remote_code).to(device)
-    return dist.shard(M.LogprobModel(lm), lm, bf16_compute=bf16, checkpointing=checkpointing)
-
-
 def _bars(cfg: Config) -> bool:
     """Per-phase progress bars: asked for, on rank 0 only, and not in a quiet run."""
     return cfg.detailed_progress and not cfg.quiet and dist.is_main()
 
 
-def bf16_compute(cfg, device) -> bool:
-    """Whether forward and backward run in bfloat16 (GRPO and DPO): --dtype bfloat16, or auto on a GPU."""
-    return cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
-
-
-def autocast(cfg, device):
-    """bf16 compute for a single process; FSDP2 casts sharded models itself (distributed.shard), on GPU and CPU."""
-    on = bf16_compute(cfg, device) and dist.world_size() == 1
-    return torch.autocast(device.type, torch.bfloat16, enabled=on)
-
-
 def _logprobs(m, mb: dict, cfg: Config, device, grad: bool):
-    with torch.set_grad_enabled(grad), autocast(cfg, device):
+    with torch.set_grad_enabled(grad), runtime.autocast(cfg, device):
         return M.token_logprobs(m, mb["input_ids"].to(device), mb["attention_mask"].to(device),
                                 mb["resp_start"].to(device), mb["T"], cfg.temperature, cfg.logprob_chunk_tokens,
                                 with_entropy=grad)
@@ -363,77 +329,6 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
 # The loop
 
 
-def save_hf(lm, tok, folder: Path) -> None:
-    """An HF checkpoint (config, safetensors, tokenizer) that transformers and vLLM load directly. A collective
-    under FSDP (every rank gathers); rank 0 writes it aside and renames it into place, never half-written."""
-    state = dist.full_state_dict(lm)
-    if dist.is_main():
-        folder, tmp = Path(folder), Path(str(folder) + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        lm.save_pretrained(tmp, state_dict=state)
-        tok.save_pretrained(tmp)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
-
-
-def export_hf(checkpoint: str, out: str, config_cls=None, path_of=None) -> None:
-    """`python train.py export RUN/checkpoints/step_NNNNNN OUT`: the HF checkpoint of any saved step. dpo.py passes
-    its own config class and start-weights resolver (default: this file's Config and model_path)."""
-    meta = json.loads((Path(checkpoint) / "meta.json").read_text())
-    cfg = (config_cls or Config)(**meta["config"])
-    path = (path_of or model_path)(cfg)
-    policy = load_trainable(path, torch.device("cpu"), False, False, cfg.trust_remote_code)
-    dist.load_checkpoint(Path(checkpoint), policy, None)
-    save_hf(policy.lm, M.load_tokenizer(path, cfg.trust_remote_code), Path(out))
-    print(f"exported step {meta['step']} of {checkpoint} to {out}")
-
-
-def save_step(out: Path, step: int, policy, opt, sched, stream: PromptStream, meta: dict, keep: int) -> Path:
-    """A checkpoint of all a resumed run needs: model and optimizer shards (distributed.py), and on every rank the
-    LR schedule, the data order and position, and the torch RNG."""
-    rank_state = dict(sched=sched.state_dict(), stream_rng=stream.rng.getstate(), stream_buf=stream.buf,
-                      torch_rng=torch.get_rng_state())
-    return dist.save_checkpoint(out / "checkpoints", step, policy, opt, meta, rank_state, keep=keep)
-
-
-def resume_step(ckpt: Path, policy, opt, sched, stream: PromptStream) -> int:
-    """Restore what save_step wrote; returns the step the checkpoint was taken after."""
-    meta, rank_state = dist.load_checkpoint(ckpt, policy, opt)
-    sched.load_state_dict(rank_state["sched"])
-    stream.rng.setstate(rank_state["stream_rng"])
-    stream.buf = rank_state["stream_buf"]
-    torch.set_rng_state(rank_state["torch_rng"])
-    return meta["step"]
-
-
-def _writable(folder: Path) -> bool:
-    """Whether `folder` exists as a writable folder, or could be created (its nearest existing parent is)."""
-    while not folder.exists():
-        if folder.parent == folder:
-            return False
-        folder = folder.parent
-    return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
-
-
-class CtrlC:
-    """The first Ctrl-C (SIGINT) asks the loop to stop after the current step and checkpoint; a second one aborts."""
-
-    def __init__(self, install: bool):
-        self._set = False
-        if install and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, signum, frame):
-        if self._set:
-            raise KeyboardInterrupt
-        self._set = True
-        print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again to abort now)", file=sys.stderr,
-              flush=True)
-
-    def is_set(self) -> bool:
-        return self._set
-
-
 def validate(cfg: Config, world: int) -> None:
     """One clear line for a bad flag, before any model or engine is loaded."""
     checks = [
@@ -457,51 +352,15 @@ def validate(cfg: Config, world: int) -> None:
          f"--init-from {cfg.init_from}: not an HF checkpoint folder (no config.json)"),
         (cfg.task != "math" or bool(cfg.data), "--data: the math task needs a problem file or dataset name"),
         (0.0 <= cfg.val_fraction < 1.0, f"--val-fraction {cfg.val_fraction}: must be in [0, 1)"),
-        (not cfg.prompt_template or os.path.isfile(cfg.prompt_template),
-         f"--prompt-template {cfg.prompt_template}: no such file"),
     ]
-    check(checks + run_checks(cfg))
-
-
-def run_checks(cfg) -> list[tuple[bool, str]]:
-    """The checks every training entry point makes (GRPO here, DPO in dpo.py): model, output, optimizer, logging."""
-    return [
-        (cfg.steps >= 1, f"--steps {cfg.steps}: must be at least 1"),
-        (cfg.lr > 0, f"--lr {cfg.lr}: must be positive"),
-        (cfg.model == M.TINY or os.path.isdir(cfg.model) or cfg.model.count("/") == 1,
-         f"--model {cfg.model}: no such folder, and not a hub name like org/name"),
-        (_writable(Path(cfg.out_dir or "runs")), f"--out-dir {cfg.out_dir or 'runs'}: cannot be written"),
-        (cfg.max_skipped_steps >= 1, f"--max-skipped-steps {cfg.max_skipped_steps}: must be at least 1"),
-        (not cfg.tensorboard or importlib.util.find_spec("tensorboard") is not None,
-         "--tensorboard: needs the tensorboard package (pip install tensorboard)"),
-        (not cfg.wandb_project or importlib.util.find_spec("wandb") is not None,
-         f"--wandb-project {cfg.wandb_project}: needs the wandb package (pip install wandb)"),
-    ]
-
-
-def check(checks: list[tuple[bool, str]]) -> None:
-    """The first failed check ends the run with its one-line message."""
-    for ok, msg in checks:
-        if not ok:
-            raise SystemExit(f"error: {msg}")
-
-
-def setup_process(cfg) -> tuple[torch.device, bool]:
-    """(device, bf16) of this rank, after setting its torch threads and seed; on CPU, glibc keeps freed memory for
-    the next step (no page faults on every step's activations: distributed.reuse_freed_memory). GRPO and DPO."""
-    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
-    torch.manual_seed(cfg.seed)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cpu":
-        dist.reuse_freed_memory()
-    return device, bf16_compute(cfg, device)
+    runtime.check(checks + runtime.run_checks(cfg))
 
 
 def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     """Run GRPO; `engine` lets a caller (the tests) bring an engine that already holds the base model's weights."""
     rank, world = dist.init(cfg.dist_timeout_s)
     validate(cfg, world)
-    device, bf16 = setup_process(cfg)
+    device, bf16 = runtime.setup_process(cfg)
     engine_dtype = torch.bfloat16 if bf16 else torch.float32
     out = Path(cfg.out_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if dist.is_main():
@@ -511,13 +370,13 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     train_set, heldout = load_task(cfg)  # bad data stops the run here, before any model is loaded
     path = model_path(cfg)
     tok = M.load_tokenizer(path, cfg.trust_remote_code)
-    template = Path(cfg.prompt_template).read_text() if cfg.prompt_template else None
+    template = data.read_template(cfg.prompt_template)
     train_set, train_prompts = encode_prompts(cfg, tok, train_set, template, "training")
     heldout, heldout_prompts = encode_prompts(cfg, tok, heldout[: cfg.eval_prompts], template, "held-out")
-    policy = load_trainable(path, device, bf16, cfg.activation_checkpointing, cfg.trust_remote_code)
+    policy = runtime.load_trainable(path, device, bf16, cfg.activation_checkpointing, cfg.trust_remote_code)
     ref = None
     if cfg.kl_beta > 0:  # the frozen initial model, sharded like the policy, only when the KL term is on
-        ref = load_trainable(path, device, bf16, False, cfg.trust_remote_code).eval().requires_grad_(False)
+        ref = runtime.load_trainable(path, device, bf16, False, cfg.trust_remote_code).eval().requires_grad_(False)
     if engine is None and cfg.engine == "vllm":
         engine = rollout.VLLMEngine(path, max_model_len=cfg.max_seq_len, seed=cfg.seed + rank // cfg.tensor_parallel_size,
                                     dtype=str(engine_dtype).removeprefix("torch."), external_launcher=world > 1,
@@ -538,9 +397,9 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
 
     # resume from the newest complete checkpoint of this run folder, if there is one (and --resume is on)
     log = RunLog(out, cfg.tensorboard, cfg.wandb_project, asdict(cfg)) if dist.is_main() else None
-    ckpt = dist.latest_checkpoint(out / "checkpoints") if cfg.resume else None
-    if ckpt is not None:
-        start = resume_step(ckpt, policy, opt, sched, stream)
+    resumed = runtime.resume(out / "checkpoints", policy, opt, sched, stream) if cfg.resume else None
+    if resumed is not None:
+        ckpt, start = resumed
         engine.load_weights(dist.full_weights(policy.lm, engine_dtype))  # the engine samples from resumed weights
         history = log.start(keep_until=start) if log else []
         dist.print0(f"resumed from {ckpt} at step {start}")
@@ -555,7 +414,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     bar = tqdm(range(start + 1, cfg.steps + 1), disable=cfg.quiet or not dist.is_main(), desc="GRPO",
                dynamic_ncols=True)
     t_start, bad_steps, stop = time.time(), 0, False
-    ctrl_c = CtrlC(install=__name__ == "__main__")  # only a command-line run owns the process's SIGINT
+    ctrl_c = runtime.CtrlC(install=__name__ == "__main__")  # only a command-line run owns the process's SIGINT
 
     for step in bar:
         t0 = time.time()
@@ -633,7 +492,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             last_eval = evaluate(engine, tok, cfg, heldout, heldout_prompts, seed=cfg.seed + step)
             row.update(last_eval)
-        row["peak_mem_gib"] = peak_memory_gib(device)
+        row["peak_mem_gib"] = runtime.peak_memory_gib(device)
         row["time_step"] = time.time() - t0
         row["tokens_per_s"] = tot["resp_tokens"] / row["time_step"]
         row["elapsed"] = time.time() - t_start
@@ -645,7 +504,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         # Ctrl-C (on any rank) ends the run after this step, with a checkpoint to resume from
         stop = dist.all_reduce_max(torch.tensor([float(ctrl_c.is_set())])).item() > 0
         if stop or (cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps)):
-            saved = save_step(out, step, policy, opt, sched, stream, {"config": asdict(cfg)}, cfg.keep_checkpoints)
+            saved = runtime.save_step(out, step, policy, opt, sched, stream, {"config": asdict(cfg)}, cfg.keep_checkpoints)
         if stop:
             break
     bar.close()
@@ -659,7 +518,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         raise SystemExit(130)
 
     if cfg.save_final:
-        save_hf(policy.lm, tok, out / "final")
+        runtime.save_hf(policy.lm, tok, out / "final")
     summary = dict(out_dir=str(out), minutes=(time.time() - t_start) / 60,
                    first=history[0], last={k: v for k, v in history[-1].items() if k.startswith("heldout")})
     dist.print0(json.dumps(summary))
@@ -695,26 +554,8 @@ def parse_args(argv: list[str]) -> Config:
 
 
 def main(argv: list[str]) -> None:
-    one_line_errors(lambda: export_hf(*export_args(argv, "train.py")) if argv[:1] == ["export"]
-                    else train(parse_args(argv)))
-
-
-def export_args(argv: list[str], script: str) -> tuple[str, str]:
-    """CKPT and OUT of `python SCRIPT export CKPT OUT`."""
-    if len(argv) != 3:
-        raise SystemExit(f"error: usage: python {script} export RUN/checkpoints/step_NNNNNN OUT_FOLDER")
-    return argv[1], argv[2]
-
-
-def one_line_errors(run) -> None:
-    """Bad flags and bad data end the run with their one-line message on stderr and exit status 2."""
-    try:
-        run()
-    except SystemExit as e:
-        if isinstance(e.code, str) and e.code.startswith("error:"):
-            print(e.code, file=sys.stderr)
-            sys.exit(2)
-        raise
+    runtime.one_line_errors(lambda: runtime.export_hf(argv, "train.py") if argv[:1] == ["export"]
+                            else train(parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -19,9 +19,9 @@ torch.set_num_threads(os.cpu_count() or 1)
 
 @pytest.fixture(scope="session")
 def tiny_path() -> str:
-    import train
+    import model
 
-    return train.tiny_base()
+    return model.resolve(model.TINY)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Run under torchrun by tests/test_distributed.py: one job per invocation, results written as files.
 
-  update OUT MICRO_TOKENS MINIBATCHES LR OPT   one GRPO update (OPT adamw or sgd) on a fixed global batch; rank 0
-                                             saves the weights
+  update OUT MICRO_TOKENS MINIBATCHES LR OPT   one GRPO update (OPT adamw or sgd) on a fixed global batch, in
+                                             float64; rank 0 saves the weights
   refit  OUT TP             shard, change the weights, refit each rank's vLLM engine (TP-sharded when TP > 1),
                             compare its logprobs with the trainer's
   die    OUT                rank 1 dies after a barrier; rank 0 waits in a collective
@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ import distributed as dist  # noqa: E402
 import grpo  # noqa: E402
 import model as M  # noqa: E402
 import rollout  # noqa: E402
+import runtime  # noqa: E402
 import train  # noqa: E402
 from test_rollout import perturbed  # noqa: E402
 
@@ -43,7 +45,7 @@ def fixed_global_batch(tok, P=8, G=4, seed=0):
 
 def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: str):
     rank, world = dist.init(120)
-    path = train.tiny_base()
+    path = M.resolve(M.TINY)
     tok = M.load_tokenizer(path)
     prompts, samples, rewards = fixed_global_batch(tok)
     P, G = rewards.shape
@@ -55,10 +57,11 @@ def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: 
                   for s in samples for i in [s.prompt_idx] if i in share]
     adv = grpo.group_advantages(rewards[list(share)])
     b = train.make_batch([prompts[i] for i in share], my_samples, adv.flatten(), False, tok.pad_token_id)
+    b = replace(b, gen_logp=b.gen_logp.double(), advantages=b.advantages.double())  # float64 end to end
     torch.manual_seed(0)
-    cpu = torch.device("cpu")
-    policy = train.load_trainable(path, cpu, bf16=False, checkpointing=micro_tokens < 100)
-    ref = train.load_trainable(path, cpu, bf16=False, checkpointing=False).eval().requires_grad_(False)
+    cpu, f64 = torch.device("cpu"), torch.float64
+    policy = runtime.load_trainable(path, cpu, bf16=False, checkpointing=micro_tokens < 100, dtype=f64)
+    ref = runtime.load_trainable(path, cpu, bf16=False, checkpointing=False, dtype=f64).eval().requires_grad_(False)
     if opt_name == "adamw":
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     else:
@@ -74,7 +77,7 @@ def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: 
 
 def refit(out: Path, tp: int):
     rank, world = dist.init(120)
-    path = train.tiny_base()
+    path = M.resolve(M.TINY)
     tok = M.load_tokenizer(path)
     engine = rollout.VLLMEngine(path, max_model_len=64, seed=rank // tp, dtype="float32", external_launcher=True,
                                 tensor_parallel_size=tp)

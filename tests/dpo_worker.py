@@ -1,5 +1,5 @@
 """Run under torchrun by tests/test_dpo.py (and called in-process there for one rank): DPO updates on a fixed
-global batch of preference pairs, every configuration of CONFIGS in one launch; rank 0 saves the weights.
+global batch of preference pairs in float64, every configuration of CONFIGS in one launch; rank 0 saves the weights.
 
   python tests/dpo_worker.py OUT_PREFIX     writes OUT_PREFIX.<config>.pt for every config
 """
@@ -14,14 +14,13 @@ import data  # noqa: E402
 import distributed as dist  # noqa: E402
 import dpo  # noqa: E402
 import model as M  # noqa: E402
-import train  # noqa: E402
+import runtime  # noqa: E402
 
 # name: (micro_batch_tokens, optimizer steps, lr, loss, label smoothing, optimizer)
 CONFIGS = {
     "dpo-one-micro-batch": (10_000, 1, 1e-3, "dpo", 0.0, "adamw"),
     # several micro-batches of uneven count per rank (padded with empty passes), and a second step whose
-    # gradients depend on the first. Adam's first steps move each weight by ~lr * sign(g), so float32 summation
-    # noise in near-zero gradients shows at ~lr scale: a smaller lr, as in tests/test_distributed.py.
+    # gradients depend on the first
     "conservative-dpo-micro-batched-2-steps": (40, 2, 1e-4, "dpo", 0.2, "adamw"),
     "ipo-micro-batched": (40, 1, 1e-3, "ipo", 0.0, "adamw"),
     # Adam (and clipping) hide a gradient that is off by a constant factor, such as a per-rank instead of a global
@@ -45,7 +44,7 @@ def fixed_global_batch(tok, n: int = 16, seed: int = 0) -> list[dpo.Pair]:
 
 def updates(out_prefix: str) -> None:
     rank, world = dist.init(120)
-    path = train.tiny_base()
+    path = M.resolve(M.TINY)
     tok = M.load_tokenizer(path)
     pairs = fixed_global_batch(tok)
     cpu = torch.device("cpu")
@@ -53,8 +52,9 @@ def updates(out_prefix: str) -> None:
         cfg = dpo.DPOConfig(micro_batch_tokens=micro_tokens, lr=lr, loss=loss, label_smoothing=eps, beta=0.5,
                             grad_clip=1.0 if optimizer == "adamw" else 1e9)
         torch.manual_seed(0)
-        policy = train.load_trainable(path, cpu, bf16=False, checkpointing=False)
-        ref = train.load_trainable(path, cpu, bf16=False, checkpointing=False).eval().requires_grad_(False)
+        policy = runtime.load_trainable(path, cpu, bf16=False, checkpointing=False, dtype=torch.float64)
+        ref = runtime.load_trainable(path, cpu, bf16=False, checkpointing=False, dtype=torch.float64)
+        ref = ref.eval().requires_grad_(False)
         opt = (torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay) if optimizer == "adamw"
                else torch.optim.SGD(policy.parameters(), lr=cfg.lr))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

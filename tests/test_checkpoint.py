@@ -64,13 +64,50 @@ def test_killed_then_resumed_run_equals_uninterrupted_run(uninterrupted, tmp_pat
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000004", "step_000006"]  # keep 2
 
 
-def test_partial_checkpoints_are_never_picked_up(tmp_path):
-    (tmp_path / "step_000002").mkdir()
-    (tmp_path / "step_000002" / "meta.json").write_text("{}")
-    (tmp_path / ".tmp-step_000004").mkdir()  # a save that was killed before its rename
-    (tmp_path / "step_000006").mkdir()  # a folder without meta.json is not complete either
-    assert distributed.latest_checkpoint(tmp_path) == tmp_path / "step_000002"
-    assert distributed.latest_checkpoint(tmp_path / "nothing-here") is None
+def test_partial_and_damaged_checkpoints_are_told_apart(uninterrupted, tmp_path):
+    import shutil
+
+    good = uninterrupted / "checkpoints" / "step_000006"
+    assert distributed.checkpoint_problem(good) is None
+    (tmp_path / ".tmp-step_000008").mkdir()  # a save that was killed before its rename is never listed
+    assert distributed.checkpoints(tmp_path) == [] and distributed.checkpoints(tmp_path / "nothing-here") == []
+    damage = {
+        "no meta.json": lambda c: (c / "meta.json").unlink(),
+        "meta.json is not valid JSON": lambda c: (c / "meta.json").write_text((c / "meta.json").read_text()[:20]),
+        "no .metadata": lambda c: (c / ".metadata").unlink(),
+        "no rank0.pt": lambda c: (c / "rank0.pt").unlink(),
+    }
+    for why, damage_it in damage.items():
+        c = tmp_path / why.replace(" ", "-")
+        shutil.copytree(good, c)
+        damage_it(c)
+        assert why in distributed.checkpoint_problem(c)
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes(uninterrupted, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    shutil.rmtree(out / "final")
+    meta = out / "checkpoints" / "step_000006" / "meta.json"
+    meta.write_text(meta.read_text()[:15])  # cut short, as by a full disk
+    p = run(out)
+    log = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, log[-3000:]
+    assert f"checkpoint {meta.parent} is damaged (meta.json is not valid JSON: cut short?): skipped" in log
+    assert "resumed from" in log and "step_000004 at step 4" in log and "Traceback" not in log
+    assert rows_without_timing(out) == rows_without_timing(uninterrupted)
+    a, b = load_file(out / "final" / "model.safetensors"), load_file(uninterrupted / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    # with every checkpoint unreadable the run says so and starts over as its flags say
+    for c in (out / "checkpoints").iterdir():
+        (c / ".metadata").unlink()
+    p = run(out, "--steps", "1", "--eval-every", "0")
+    log = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, log[-3000:]
+    assert "no readable checkpoint" in log and "starting from step 0" in log
+    assert [r["step"] for r in rows_without_timing(out)] == [0, 1]
 
 
 def test_export_of_a_saved_step_loads_in_transformers_and_vllm(uninterrupted, tmp_path, tiny_path, tok):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import grpo
 import model
 import reward
+import runtime
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
     (dict(dual_clip=0.5), 1, "--dual-clip 0.5"),
     (dict(max_skipped_steps=0), 1, "--max-skipped-steps 0"),
     (dict(val_fraction=1.0), 1, "--val-fraction 1.0"),
-    (dict(prompt_template="/no/such/template.txt"), 1, "--prompt-template /no/such/template.txt"),
+    (dict(model="tiny-typo"), 1, "--model tiny-typo: no such folder, and not a hub name"),
+    (dict(model=str(ROOT)), 1, f"--model {ROOT}: not an HF model folder (no config.json)"),
+    (dict(model=str(ROOT / "train.py")), 1, f"--model {ROOT / 'train.py'}: a file, not an HF model folder"),
 ])
 def test_each_bad_flag_gets_one_line(flags, world, needle):
     with pytest.raises(SystemExit) as e:
@@ -47,14 +50,86 @@ def test_each_bad_flag_gets_one_line(flags, world, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_optional_loggers_fail_early_when_not_installed():
+@pytest.mark.parametrize("package", ["tensorboard", "wandb"])
+def test_optional_loggers_fail_early_when_not_installed(package):
     import importlib.util
 
-    for flags, package in ((dict(tensorboard=True), "tensorboard"), (dict(wandb_project="p"), "wandb")):
-        if importlib.util.find_spec(package) is not None:
-            continue  # installed here: nothing to refuse
-        with pytest.raises(SystemExit, match=f"needs the {package} package"):
-            train.validate(train.Config(**flags), 1)
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here: nothing to refuse")
+    flags = dict(tensorboard=True) if package == "tensorboard" else dict(wandb_project="p")
+    with pytest.raises(SystemExit, match=f"needs the {package} package"):
+        train.validate(train.Config(**flags), 1)
+
+
+def one_line_error(fn, *args) -> str:
+    """The message of the one-line error `fn(*args)` ends with (exit status 2 through runtime.one_line_errors)."""
+    with pytest.raises(SystemExit) as e:
+        runtime.one_line_errors(lambda: fn(*args))
+    assert e.value.code == 2
+    return e.value.__context__.code
+
+
+def test_every_entry_point_checks_its_flags_and_inputs_before_loading_anything(tmp_path, capsys):
+    import bench
+    import dpo
+    import eval_aime
+    import logs
+
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text('{"problem": "1+1", "answer": "2"}\n')
+    empty = tmp_path / "empty-folder"
+    empty.mkdir()
+    E = eval_aime.EvalConfig
+    cases = [
+        (eval_aime.main, (E(model="/no/such/folder", data=str(ok)),), "--model /no/such/folder: no such folder"),
+        (eval_aime.main, (E(model=str(empty), data=str(ok)),), f"--model {empty}: not an HF model folder"),
+        (eval_aime.main, (E(model="tiny", data=str(ok), k=0),), "--k 0: must be at least 1"),
+        (eval_aime.main, (E(model="tiny", data=str(ok), top_p=0.0),), "--top-p 0.0"),
+        (eval_aime.main, (E(model="tiny", data=str(ok), out="/etc/hostname/x.jsonl"),), "--out /etc/hostname/x"),
+        (eval_aime.main, (E(model="tiny", data=str(tmp_path / "absent.jsonl")),), "absent.jsonl: no such file"),
+        (runtime.export_hf, (["export", str(tmp_path / "nothing"), str(tmp_path / "out")], "train.py"),
+         "nothing: no such checkpoint folder"),
+        (runtime.export_hf, (["export", str(empty), str(tmp_path / "out")], "train.py"),
+         f"{empty}: not a readable checkpoint (no meta.json)"),
+        (runtime.export_hf, (["export"], "dpo.py"), "usage: python dpo.py export"),
+        (dpo.main, (["--model", "/no/such/model"],), "--model /no/such/model"),
+        (dpo.main, (["--beta", "0"],), "--beta 0.0: must be positive"),
+        (logs.main, ([str(tmp_path / "no-run")],), "no-run: no such run folder"),
+        (logs.main, ([str(empty)],), f"{empty}: no metrics.jsonl"),
+        (bench.main, (bench.BenchConfig(steps=1),), "--steps 1: must be at least 2"),
+        (bench.main, (bench.BenchConfig(group_size=1),), "--group-size 1"),
+    ]
+    for fn, args, needle in cases:
+        msg = one_line_error(fn, *args)
+        assert needle in msg and "\n" not in msg, (needle, msg)
+    assert "building" not in capsys.readouterr().out  # no model was built or loaded for any of them
+
+
+def test_eval_aime_exits_2_with_one_line_before_any_engine(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "eval_aime.py"), "--model", "/no/such/folder", "--data", "x.jsonl"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: --model /no/such/folder: no such folder, and not a hub name like org/name " \
+                               "(built-in: tiny)"
+
+
+def test_problem_files_with_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_path):
+    import data
+
+    rows = [{"problem": "What is 1+1?", "answer": "2"}, {"problem": "What is 2+2?", "answer": "4"}]
+    want = [data.Problem("What is 1+1?", "2"), data.Problem("What is 2+2?", "4")]
+    (tmp_path / "p.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\r\n" for r in rows).encode())
+    (tmp_path / "p.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(rows, indent=1).replace("\n", "\r\n").encode())
+    for ext in ("jsonl", "json"):
+        assert data.load_problems(str(tmp_path / f"p.{ext}")) == want
+    (tmp_path / "t.txt").write_bytes(b"\xef\xbb\xbfQ: {problem}\r\nA:")
+    assert data.read_template(str(tmp_path / "t.txt")) == "Q: {problem}\nA:"
+    (tmp_path / "latin1.jsonl").write_bytes('{"problem": "caf\xe9", "answer": "1"}\n'.encode("latin-1"))
+    with pytest.raises(SystemExit, match="latin1.jsonl: not UTF-8 text"):
+        data.load_problems(str(tmp_path / "latin1.jsonl"))
+    (tmp_path / "same.txt").write_text("Solve it.")
+    with pytest.raises(SystemExit, match="no {problem} in it"):
+        data.read_template(str(tmp_path / "same.txt"))
 
 
 def test_bad_flag_exits_2_with_one_line_before_any_engine_or_model(tmp_path):
@@ -67,7 +142,7 @@ def test_bad_flag_exits_2_with_one_line_before_any_engine_or_model(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing written either
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--stage", "7"], capture_output=True, text=True,
                        timeout=120)
-    assert r.returncode == 2 and r.stderr.strip() == "error: --stage 7: unknown stage (use 1, 2 or 3)"
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: --stage 7: unknown stage")
 
 
 def test_bad_data_file_exits_2_naming_file_and_row(tmp_path):
@@ -87,7 +162,7 @@ def test_nan_in_the_loss_skips_the_update_and_keeps_the_weights(tiny_path, tok):
     adv[3] = float("nan")  # one poisoned sequence makes the loss and every gradient NaN
     b = train.make_batch(prompts, samples, adv, False, tok.pad_token_id)
     cfg = train.Config(prompts_per_step=8, group_size=4)
-    policy = train.load_trainable(tiny_path, torch.device("cpu"), False, False)
+    policy = runtime.load_trainable(tiny_path, torch.device("cpu"), False, False)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
