@@ -1,77 +1,142 @@
-"""GRPO's math as pure tensor functions: group advantages and the clipped policy loss.
+"""GRPO's math as pure tensor functions: group advantages and the policy-loss family.
 
 What it does: turns a [P, G] block of rewards into advantages, and per-token logprobs into a scalar loss plus the
 diagnostics that tell a run is healthy. Everything here is a function of tensors: no model, no engine, no
-process group, so each equation can be checked against an independent float64 computation (tests/test_grpo.py).
+process group, so each equation can be checked against an independent float64 computation (tests/test_grpo.py,
+and NeMo-RL's own unit-test numbers in tests/test_nemo_parity.py).
 
 What it does not do: decide which tokens are valid (train.py builds the mask, including overlong filtering), or
-know the global token count on its own (train.py passes `num_tokens`, already summed over micro-batches and
-ranks, so the gradient does not depend on how the batch was split).
+know global quantities on its own (train.py passes `num_tokens`, already summed over micro-batches and ranks, so
+the gradient does not depend on how the batch was split, and the batch std for --adv-scale batch).
 
-The loss is NeMo-RL's ClippedPGLoss, which the DeepScaleR recipe used:
+The default loss is NeMo-RL's ClippedPGLoss, which the DeepScaleR recipe used:
 
     rho_t    = exp(logp_t - old_logp_t)                                  (PPO, Schulman et al. 2017)
     pg_t     = max(-A_i * rho_t, -A_i * clip(rho_t, 1 - eps_low, 1 + eps_high))
                eps_high > eps_low is "clip-higher"                       (DAPO, Yu et al. 2025)
     pg_t     = min(pg_t, -c * A_i) when A_i < 0 and c > 1 is set          ("dual clip", Ye et al. 2020)
-    kl_t     = k3 = exp(x) - 1 - x with x = ref_logp_t - logp_t           (Schulman 2020, "Approximating KL")
-               (k1 = -x and k2 = x^2 / 2 are the other two estimators)
+    kl_t     = clamp(u_t * k3, -10, 10), k3 = exp(x) - 1 - x, x = clamp(ref_logp_t - logp_t, -20, 20)
+               (Schulman 2020; k1 = -x and k2 = x^2 / 2 are the other two estimators), and
+               u_t = exp(logp_t - sg(logp_t)) = 1 in value: the tokens were sampled from the policy itself, so
+               the KL's gradient carries the score-function term kl_t * grad logp_t too (NeMo-RL PR #2506,
+               citing arXiv:2506.09477); u_t is a constant where x was clamped
     loss_t   = w_t * pg_t + beta * kl_t
     w_t      = 1, or the importance weight exp(old_logp_t - gen_logp_t) between the trainer and the engine that
-               sampled, truncated at a cap (TIS, Yao et al. 2025) or masked outside a band (icepop)
+               sampled (see below)
 
 and aggregation is "token level" (sum over every valid token of the global batch / number of those tokens,
 DAPO) or "sequence level" (mean over each response's tokens, then mean over responses: the original GRPO of
 DeepSeekMath, Shao et al. 2024).
+
+Other policy losses (LossConfig.pg), each exactly as NeMo-RL computes it:
+
+    gspo       s_i = exp(mean_t (logp_t - old_logp_t)) over response i's loss tokens, one ratio per sequence
+               used in place of rho_t in pg_t; sequence-level aggregation   (GSPO, Zheng et al. 2025)
+    cispo      pg_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) * A_i * logp_t; the clip bounds the weight,
+               never the gradient of a token                           (CISPO, MiniMax-M1, MiniMax 2025)
+    reinforce  pg_t = -A_i * logp_t, no ratio                         (REINFORCE, Williams 1992; as RLOO uses it)
+
+Engine/trainer mismatch corrections (LossConfig.is_correction), v_t = exp(old_logp_t - gen_logp_t):
+
+    tis           w_t = clamp(v_t, is_min, is_cap)                       (TIS, Yao et al. 2025)
+    icepop        w_t = v_t inside [is_min, is_cap], else 0              (icepop, as NeMo-RL; reference band 0.5-5)
+    seq-mask-tis  response i is dropped when its geometric mean exp(mean_t log v_t) leaves [is_min, is_cap];
+                  kept responses get the untruncated w_t = v_t          (NeMo-RL's seq-mask-tis)
+    seq-mask      w_i = prod_t v_t for the whole response, 0 when it leaves [is_min, is_cap]
+                                                              (TRL's vllm_importance_sampling_mode="sequence_mask")
+With gspo, tis and icepop weigh whole responses by prod_t v_t, as NeMo-RL does for sequence-level ratios.
 """
 
 from dataclasses import dataclass
 
 import torch
 
+ADV_SCALES = ("group", "batch", "none")
+PG_KINDS = ("ppo", "gspo", "cispo", "reinforce")
+IS_CORRECTIONS = ("none", "tis", "icepop", "seq-mask-tis", "seq-mask")
 
-def group_advantages(
-    rewards: torch.Tensor, leave_one_out: bool = False, normalize_std: bool = True, eps: float = 1e-6
-) -> torch.Tensor:
-    """Advantages of G samples of each of P prompts, from their rewards.
 
-    A_i = (r_i - b_i) / (std + eps) when the group's std > 0, else r_i - b_i, where
-      b_i = mean_j r_j                  (GRPO, DeepSeekMath), or
-      b_i = mean_{j != i} r_j           (leave-one-out, RLOO: Ahmadian et al. 2024),
-      std = the group's sample std (Bessel-corrected, as NeMo-RL's torch.std); normalize_std=False skips the
-            division (Dr. GRPO, Liu et al. 2025: the division over-weights near-solved and near-failed prompts).
-    A group whose rewards are all equal gets A = 0 exactly: it carries no learning signal.
+def group_baseline_and_std(rewards: torch.Tensor, leave_one_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample baseline b_i and std s_i of G samples of each of P prompts, as NeMo-RL's
+    calculate_baseline_and_std_per_prompt computes them.
+
+      b_i = mean_j r_j, s_i = the group's sample std (Bessel over G)                       (GRPO, DeepSeekMath)
+      b_i = mean_{j != i} r_j, s_i = sample std of those G - 1 others (Bessel over G - 1)  (leave-one-out, RLOO:
+            Ahmadian et al. 2024); s_i = 0 when G - 1 < 2, where a std of one value is undefined
     """
-    r = rewards.float()  # [P, G]
+    r = rewards.double()  # [P, G]; float64 so E[r^2] - E[r]^2 does not cancel badly for large rewards
     G = r.shape[1]
     if G < 2:
-        raise ValueError(f"group_advantages needs at least 2 samples per prompt, got G={G}")
-    mean = r.mean(dim=1, keepdim=True)  # [P, 1]
-    baseline = (r.sum(dim=1, keepdim=True) - r) / (G - 1) if leave_one_out else mean  # [P, G]
-    adv = r - baseline  # [P, G]
-    if normalize_std:
-        std = r.std(dim=1, keepdim=True)  # [P, 1]
+        raise ValueError(f"group advantages need at least 2 samples per prompt, got G={G}")
+    n = G - 1 if leave_one_out else G
+    s1 = r.sum(dim=1, keepdim=True)  # [P, 1]
+    s2 = (r * r).sum(dim=1, keepdim=True)
+    if leave_one_out:
+        s1, s2 = s1 - r, s2 - r * r  # [P, G]: sums over the others
+    mean = (s1 / n).expand_as(r)  # [P, G]
+    if n < 2:
+        return mean.float(), torch.zeros_like(mean).float()
+    var = (s2 / n - mean * mean) * (n / (n - 1))
+    std = var.clamp(min=0).sqrt()
+    # E[r^2] - E[r]^2 leaves rounding noise where the others are all equal: such a std is 0 exactly
+    std = torch.where(var <= 1e-12 * (s2 / n).clamp(min=1e-300), torch.zeros_like(std), std)
+    return mean.float(), std.float()
+
+
+def group_advantages(
+    rewards: torch.Tensor, leave_one_out: bool = False, scale: str = "group", eps: float = 1e-6,
+    batch_std: float | None = None,
+) -> torch.Tensor:
+    """Advantages [P, G] of G samples of each of P prompts, from their rewards [P, G].
+
+    A_i = (r_i - b_i) / (s + eps) when s > 0, else r_i - b_i, with b_i from group_baseline_and_std and
+      scale="group": s = s_i of group_baseline_and_std (NeMo-RL's GRPO estimator)
+      scale="batch": s = the sample std of every reward of the batch, `batch_std` when the batch spans ranks
+                     (TRL's scale_rewards="batch"; TRL adds 1e-4 where this adds eps)
+      scale="none":  no division (Dr. GRPO, Liu et al. 2025: the division over-weights near-solved and
+                     near-failed prompts)
+    A group whose rewards are all equal gets A = 0 exactly: it carries no learning signal.
+    """
+    if scale not in ADV_SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}: use group, batch or none")
+    baseline, std = group_baseline_and_std(rewards, leave_one_out)  # [P, G] each
+    adv = rewards.float() - baseline
+    if scale == "group":
         adv = torch.where(std > 0, adv / (std + eps), adv)
+    elif scale == "batch":
+        s = float(rewards.float().flatten().std()) if batch_std is None else float(batch_std)
+        adv = adv / (s + eps) if s > 0 else adv
     return adv
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3", clamp: float = 20.0) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020).
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3", input_clamp: float = 20.0,
+                output_clamp: float = 10.0, score_term: bool = True) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020), as NeMo-RL's calculate_kl.
 
     With x = ref_logp - logp (the log ratio pi_ref / pi at the sampled token):
       k1 = -x            unbiased, high variance, can be negative
       k2 = x^2 / 2       biased, low variance
       k3 = e^x - 1 - x   unbiased, low variance, always >= 0 (the one DeepSeekMath and NeMo-RL use)
-    x is clamped to [-clamp, clamp] first, as NeMo-RL does, so one wild token cannot make e^x overflow.
+    x is clamped to [-input_clamp, input_clamp] so one wild token cannot make e^x overflow, and the estimate to
+    [-output_clamp, output_clamp] so one token cannot dominate the penalty. score_term multiplies by
+    exp(logp - sg(logp)) (value 1) before the output clamp: see the module docstring.
     """
-    x = (ref_logp - logp).clamp(-clamp, clamp)
+    x_raw = ref_logp - logp
+    x = x_raw.clamp(-input_clamp, input_clamp)
     if kind == "k1":
-        return -x
-    if kind == "k2":
-        return 0.5 * x * x
-    if kind == "k3":
-        return torch.exp(x) - 1 - x
-    raise ValueError(f"unknown KL estimator {kind!r}: use k1, k2 or k3")
+        kl = -x
+    elif kind == "k2":
+        kl = 0.5 * x * x
+    elif kind == "k3":
+        kl = torch.exp(x) - 1 - x
+    else:
+        raise ValueError(f"unknown KL estimator {kind!r}: use k1, k2 or k3")
+    if score_term:
+        u = torch.exp(logp - logp.detach())
+        # a clamped token has no KL gradient, and it keeps no score-function gradient either
+        u = torch.where(x_raw == x, u, u.detach())
+        kl = u * kl
+    return kl.clamp(-output_clamp, output_clamp)
 
 
 @dataclass
@@ -84,8 +149,69 @@ class LossConfig:
     kl_beta: float = 0.0  # weight of the KL penalty to the reference model; 0 = no reference model
     kl_kind: str = "k3"  # k1 | k2 | k3
     token_level: bool = True  # True: DAPO token-level mean over the global batch; False: GRPO sequence-level mean
-    is_correction: str = "none"  # none | tis (truncate w at is_cap) | icepop (mask tokens with w outside the band)
-    is_cap: float = 2.0  # TIS cap, and icepop's upper bound (lower bound 1 / is_cap)
+    is_correction: str = "none"  # none | tis | icepop | seq-mask-tis | seq-mask (module docstring)
+    is_cap: float = 2.0  # upper bound of the importance weight (TIS's cap) or of the kept band
+    is_min: float = 0.0  # lower bound: TIS clamps below it, the masks drop what falls below it
+    pg: str = "ppo"  # ppo | gspo | cispo | reinforce (module docstring)
+    kl_input_clamp: float = 20.0  # |ref_logp - logp| bound inside the KL estimator (NeMo-RL kl_input_clamp_value)
+    kl_output_clamp: float = 10.0  # |kl_t| bound (NeMo-RL kl_output_clamp_value)
+    kl_score_term: bool = True  # KL gradient includes the score-function term (NeMo-RL since PR #2506)
+
+
+def config_error(cfg: LossConfig) -> str:
+    """Why a combination of options is not a loss NeMo-RL defines ('' when it is one)."""
+    if cfg.pg not in PG_KINDS:
+        return f"unknown pg {cfg.pg!r}: use {', '.join(PG_KINDS)}"
+    if cfg.is_correction not in IS_CORRECTIONS:
+        return f"unknown is_correction {cfg.is_correction!r}: use {', '.join(IS_CORRECTIONS)}"
+    if cfg.dual_clip and cfg.dual_clip <= 1:
+        return f"dual_clip must be > 1 (or 0 to turn it off), got {cfg.dual_clip}"
+    if cfg.pg == "gspo" and cfg.token_level:
+        return "GSPO's ratio is per sequence, so its loss is sequence-level: turn token_level off"
+    if cfg.pg == "gspo" and cfg.is_correction == "seq-mask-tis":
+        return "seq-mask-tis weighs tokens, GSPO weighs sequences: use tis, icepop or seq-mask with gspo"
+    if cfg.pg == "cispo" and (cfg.dual_clip or not cfg.token_level):
+        return "CISPO is token-level and has no dual clip"
+    if cfg.is_correction != "none" and not 0 <= cfg.is_min <= cfg.is_cap:
+        return f"the importance-weight band needs 0 <= is_min <= is_cap, got [{cfg.is_min}, {cfg.is_cap}]"
+    if cfg.is_correction in ("icepop", "seq-mask-tis") and cfg.is_min <= 0:
+        return f"{cfg.is_correction} needs a lower bound is_min > 0 (NeMo-RL's reference bands: 0.5-5, 0.999-1.002)"
+    return ""
+
+
+def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> [B]: mean over each row's masked tokens; an empty row gives 0."""
+    return (x * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+
+
+def importance_weights(old_logp, gen_logp, mask, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w [B, T] or [B, 1], out-of-band count, units counted) for cfg.is_correction; no grad.
+
+    The counts give the fraction the correction clipped or masked: tokens for tis and icepop, responses for the
+    sequence guards and for gspo."""
+    log_v = torch.nan_to_num(old_logp - gen_logp, nan=0.0, posinf=0.0, neginf=0.0) * mask  # [B, T]
+    lo, hi, kind = cfg.is_min, cfg.is_cap, cfg.is_correction
+    per_seq = cfg.pg == "gspo" or kind == "seq-mask"
+    seq_units = (mask.sum(dim=1) > 0).to(mask.dtype)  # [B]
+    if per_seq:
+        v = torch.nan_to_num(torch.exp(log_v.sum(dim=1, keepdim=True)), nan=0.0, posinf=0.0)  # [B, 1]
+    else:
+        v = torch.exp(log_v)  # [B, T]
+    if kind == "tis":
+        w, out = v.clamp(lo, hi), (v < lo) | (v > hi)
+    elif kind in ("icepop", "seq-mask"):
+        out = (v < lo) | (v > hi)
+        w = torch.where(out, torch.zeros_like(v), v)
+    elif kind == "seq-mask-tis":
+        geo = torch.exp(_seq_mean(log_v, mask))[:, None]  # [B, 1]
+        out = (geo < lo) | (geo > hi)
+        w = v * (~out).to(v.dtype)
+        per_seq = True
+    else:
+        return torch.ones_like(v), v.new_zeros(()), v.new_zeros(())
+    if per_seq:
+        return w, (out[:, 0].to(mask.dtype) * seq_units).sum(), seq_units.sum()
+    return w, (out.to(mask.dtype) * mask).sum(), mask.sum()
 
 
 def policy_loss(
@@ -102,66 +228,83 @@ def policy_loss(
 
     The returned loss is a *sum* divided by the global normalizer `num_tokens`, so summing it (and its gradient)
     over micro-batches and ranks gives exactly the full-batch loss. Metrics are sums too: divide by `tokens`, the
-    count of loss tokens, after reducing.
+    count of loss tokens (is_oob by is_units), after reducing.
     """
+    err = config_error(cfg)
+    if err:
+        raise ValueError(err)
     mask = mask.to(logp.dtype)
     A = advantages.to(logp.dtype)[:, None]  # [B, 1]
     log_ratio = logp - old_logp  # [B, T]
-    ratio = torch.exp(log_ratio)
+    if cfg.pg == "gspo":
+        ratio = torch.exp(_seq_mean(log_ratio, mask))[:, None].expand_as(logp)  # [B, T], one value per row
+    else:
+        ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
-    pg = torch.maximum(-A * ratio, -A * clipped)  # [B, T]
+    if cfg.pg == "cispo":
+        pg = -A * clipped.detach() * logp
+    elif cfg.pg == "reinforce":
+        pg = -A * logp
+    else:
+        pg = torch.maximum(-A * ratio, -A * clipped)  # [B, T]
     if cfg.dual_clip > 0:
-        if cfg.dual_clip <= 1:
-            raise ValueError(f"dual_clip must be > 1 (or 0 to turn it off), got {cfg.dual_clip}")
         pg = torch.where(A < 0, torch.minimum(pg, -cfg.dual_clip * A), pg)
 
-    weight = torch.ones_like(logp)
+    weight, is_oob, is_units = torch.ones_like(logp), logp.new_zeros(()), logp.new_zeros(())
     if cfg.is_correction != "none":
         if gen_logp is None:
             raise ValueError("is_correction needs the engine's logprobs (gen_logp)")
-        w = torch.exp(old_logp - gen_logp)  # [B, T], no grad: both are fixed for this rollout
-        if cfg.is_correction == "tis":
-            weight = w.clamp(max=cfg.is_cap)
-        elif cfg.is_correction == "icepop":
-            weight = ((w >= 1 / cfg.is_cap) & (w <= cfg.is_cap)).to(logp.dtype)
-        else:
-            raise ValueError(f"unknown is_correction {cfg.is_correction!r}: use none, tis or icepop")
+        with torch.no_grad():
+            weight, is_oob, is_units = importance_weights(old_logp.to(logp.dtype), gen_logp.to(logp.dtype), mask, cfg)
     per_token = weight * pg
 
     kl = torch.zeros_like(logp)
     if cfg.kl_beta > 0:
         if ref_logp is None:
             raise ValueError("kl_beta > 0 needs the reference model's logprobs (ref_logp)")
-        kl = kl_estimate(logp, ref_logp, cfg.kl_kind)
+        kl = kl_estimate(logp, ref_logp, cfg.kl_kind, cfg.kl_input_clamp, cfg.kl_output_clamp, cfg.kl_score_term)
         per_token = per_token + cfg.kl_beta * kl
 
     if cfg.token_level:
         loss = (per_token * mask).sum() / num_tokens
     else:
-        seq_len = mask.sum(dim=1).clamp(min=1)  # [B]; an all-masked row adds 0
-        loss = ((per_token * mask).sum(dim=1) / seq_len).sum() / num_tokens
+        loss = _seq_mean(per_token, mask).sum() / num_tokens  # an all-masked row adds 0
 
     with torch.no_grad():
         m = mask
+        clips = cfg.pg in ("ppo", "gspo", "cispo")
         metrics = {
             "tokens": m.sum(),
-            "kl": (kl * m).sum(),
-            "clip_low": ((ratio < 1 - cfg.eps_low) & (A < 0)).to(logp.dtype).mul(m).sum(),
-            "clip_high": ((ratio > 1 + cfg.eps_high) & (A > 0)).to(logp.dtype).mul(m).sum(),
+            "kl": (kl.detach() * m).sum(),
+            "clip_low": ((ratio < 1 - cfg.eps_low) & (A < 0) & clips).to(logp.dtype).mul(m).sum(),
+            "clip_high": ((ratio > 1 + cfg.eps_high) & (A > 0) & clips).to(logp.dtype).mul(m).sum(),
+            "is_oob": is_oob,
+            "is_units": is_units,
         }
     return loss, metrics
 
 
 def mismatch_metrics(gen_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Sums that measure how far the engine's sampling distribution is from the trainer's (divide by `tokens`).
+    """Sums that measure how far the engine's sampling distribution is from the trainer's (divide by `tokens`),
+    under NeMo-RL's names so its thresholds apply. With d = gen_logp - old_logp at each sampled token:
 
-    token_mult_prob_error = mean_t exp(|gen_logp_t - old_logp_t|)  (NeMo-RL's; healthy < 1.05)
-    gen_kl_error          = mean_t k3 between the two: exp(x) - 1 - x with x = gen_logp - old_logp
-    A large value means the engine and the trainer disagree (stale refit, precision, kernel bugs).
+    token_mult_prob_error = mean_t exp(|d|)                      (healthy < 1.05)
+    gen_kl_error          = mean_t k3(-d) = e^-d - 1 + d         KL(P_gen || P_train), samples from the engine
+    policy_kl_error       = mean_t k3(d)  = e^d - 1 - d          KL(P_train || P_gen)
+    js_divergence_error   = mean_t of 0.5 k3-KL(P_train || M) + 0.5 k3-KL(P_gen || M), M = (P_train + P_gen) / 2
+    A large value means the engine and the trainer disagree (stale refit, precision, kernel bugs). d is clamped
+    to +-20 so one token with a vanishing probability cannot overflow the sum (NeMo-RL does not clamp here).
     """
-    m = mask.to(torch.float32)
-    d = (gen_logp.float() - old_logp.float()).clamp(-20, 20)
+    m = mask.to(torch.float64)
+    old, gen = old_logp.double(), gen_logp.double()
+    d = (gen - old).clamp(-20, 20)
+    lm = torch.logaddexp(old, gen) - torch.log(torch.tensor(2.0, dtype=torch.float64))  # log M
+    k3 = lambda x: torch.exp(x) - 1 - x  # noqa: E731
+    # NeMo's KL(P || M) term is e^(logP - logM) - (logP - logM) - 1, i.e. k3 at x = logP - logM
+    js = 0.5 * k3(old - lm) + 0.5 * k3(gen - lm)
     return {
         "token_mult_prob_error": (torch.exp(d.abs()) * m).sum(),
-        "gen_kl_error": ((torch.exp(d) - 1 - d) * m).sum(),
+        "gen_kl_error": (k3(-d) * m).sum(),
+        "policy_kl_error": (k3(d) * m).sum(),
+        "js_divergence_error": (js * m).sum(),
     }

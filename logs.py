@@ -56,7 +56,7 @@ PANELS = [  # (title, [(metric, label)])
     ("reward", [("reward_mean", "training reward")]),
     ("held-out accuracy", [("heldout_pass1", "pass@1"), ("heldout_greedy", "greedy")]),
     ("response length (tokens)", [("response_len_mean", "mean")]),
-    ("KL to reference / engine", [("kl", "KL (policy || ref)"), ("gen_kl_error", "gen_kl_error")]),
+    ("KL to reference / engine", [("kl", "KL (policy || ref)"), ("gen_kl_error", "gen_kl_error"), ("policy_kl_error", "policy_kl_error")]),
     ("clip fraction", [("clip_frac_low", "low"), ("clip_frac_high", "high")]),
     ("seconds per step", [("time_step", "step"), ("time_generate", "generate"), ("time_update", "update")]),
 ]

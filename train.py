@@ -53,7 +53,7 @@ class Config:
     problem_field: str = "problem"  # field of the problem text (DeepScaleR-Preview: problem)
     answer_field: str = "answer"  # field of the gold answer (DeepScaleR-Preview: answer)
     prompt_template: str = ""  # a text file with {problem}, used instead of the chat template + instruction
-    stage: Literal[0, 1, 2, 3] = 0  # DeepScaleR preset (1: 8K, 2: 16K, 3: 24K); any flag overrides its field
+    stage: Literal[0, 1, 2, 3, 4] = 0  # DeepScaleR preset (1: 8K, 2: 16K, 3: 24K, 4: GSPO 8K); flags override it
     init_from: str = ""  # start from this HF checkpoint folder (e.g. the previous stage's <out_dir>/final)
     # batch shape
     steps: int = 200  # GRPO steps (one rollout batch each)
@@ -69,11 +69,14 @@ class Config:
     # optimizer
     lr: float = 2e-4  # AdamW learning rate
     weight_decay: float = 0.01  # AdamW weight decay
-    warmup_steps: int = 0  # linear LR warm-up, in optimizer steps
+    warmup_steps: int = 0  # linear LR warm-up from 0.1 x lr to lr over this many GRPO steps (NeMo-RL's LinearLR)
     grad_clip: float = 1.0  # max global gradient norm
     # advantages and loss (grpo.py)
-    leave_one_out: bool = False  # leave-one-out baseline (RLOO) instead of the group mean
-    normalize_std: bool = True  # divide advantages by the group std (off: Dr. GRPO)
+    leave_one_out: bool = False  # leave-one-out baseline and std (RLOO, as NeMo-RL) instead of the group's
+    adv_scale: Literal["group", "batch", "none"] = "group"  # divide advantages by the group std, the batch std
+    #   (TRL's scale_rewards="batch"), or not at all (Dr. GRPO)
+    pg: Literal["ppo", "gspo", "cispo", "reinforce"] = "ppo"  # policy loss: clipped PPO ratio per token, GSPO's
+    #   ratio per sequence (needs --no-token-level), CISPO's clipped stop-gradient weight, or REINFORCE (no ratio)
     eps_low: float = 0.2  # ratio clip 1 - eps_low
     eps_high: float = 0.2  # ratio clip 1 + eps_high (> eps_low: DAPO clip-higher)
     dual_clip: float = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
@@ -81,8 +84,11 @@ class Config:
     kl_kind: Literal["k1", "k2", "k3"] = "k3"  # KL estimator
     token_level: bool = True  # token-level loss aggregation over the global batch (False: per-sequence mean)
     overlong_filter: bool = False  # mask truncated responses out of the loss (they still count in the baseline)
-    is_correction: Literal["none", "tis", "icepop"] = "none"  # engine/trainer mismatch correction
-    is_cap: float = 2.0  # TIS cap / icepop band [1/cap, cap]
+    is_correction: Literal["none", "tis", "icepop", "seq-mask-tis", "seq-mask"] = "none"  # engine/trainer mismatch
+    #   correction: truncate (tis) or mask (icepop) token weights, or drop whole sequences (seq-mask-tis, seq-mask)
+    is_cap: float = 2.0  # upper bound of the importance weight: TIS's cap, the masks' band top
+    is_min: float = 0.0  # lower bound of the importance weight (icepop and seq-mask-tis need one > 0)
+    kl_score_term: bool = True  # KL gradient includes the score-function term (NeMo-RL since PR #2506)
     dynamic_sampling: bool = False  # DAPO: drop groups with all-equal rewards, draw more prompts to refill the batch
     dynamic_sampling_max_tries: int = 4  # generation rounds per step before training on what was kept
     # evaluation, logging, system
@@ -246,6 +252,30 @@ def _logprobs(m, mb: dict, cfg: Config, device, grad: bool):
                                 with_entropy=grad)
 
 
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """LR factor after `step` GRPO steps: NeMo-RL's LinearLR(start_factor=0.1, end_factor=1.0,
+    total_iters=warmup_steps), then constant."""
+    if warmup_steps <= 0:
+        return 1.0
+    return 0.1 + 0.9 * min(step, warmup_steps) / warmup_steps
+
+
+def loss_config(cfg: Config) -> grpo.LossConfig:
+    return grpo.LossConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, kl_beta=cfg.kl_beta,
+                           kl_kind=cfg.kl_kind, token_level=cfg.token_level, is_correction=cfg.is_correction,
+                           is_cap=cfg.is_cap, is_min=cfg.is_min, pg=cfg.pg, kl_score_term=cfg.kl_score_term)
+
+
+def batch_std(rewards: torch.Tensor, cfg: Config) -> float | None:
+    """The sample std of every reward of the step over all ranks, for --adv-scale batch (else None)."""
+    if cfg.adv_scale != "batch":
+        return None
+    r = rewards.double().flatten()
+    n, s1, s2 = dist.all_reduce_sum(torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(),
+                                                 (r * r).sum()])).tolist()
+    return max((s2 - s1 * s1 / n) / max(n - 1, 1), 0.0) ** 0.5
+
+
 def _equal_micro_batches(b: Batch, rows: list[int], cfg: Config) -> list[list[int]]:
     """Token-budget micro-batches, padded with empty ones so every rank runs the same number of passes.
 
@@ -316,11 +346,12 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
         grad_norm = dist.clip_grad_norm(policy, cfg.grad_clip)  # global over ranks: all ranks agree on skipping
         if torch.isfinite(grad_norm):
             opt.step()
-            sched.step()
         else:  # a NaN/inf loss or gradient: this update is skipped, weights and optimizer state stay as they were
             skipped += 1
         opt.zero_grad(set_to_none=True)
     bar.close()
+    if skipped < len(minibatches):
+        sched.step()  # the LR schedule counts GRPO steps, as NeMo-RL's (a step whose every update was skipped does not count)
     policy.eval()
     return sums, float(grad_norm), old_logp, skipped, t_logprobs
 
@@ -348,6 +379,18 @@ def validate(cfg: Config, world: int) -> None:
          f"--tensor-parallel-size {cfg.tensor_parallel_size}: must divide the {world} ranks (vLLM engine only)"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: must be positive for GRPO sampling"),
         (cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual-clip {cfg.dual_clip}: must be 0 (off) or > 1"),
+        (cfg.warmup_steps >= 0, f"--warmup-steps {cfg.warmup_steps}: must be 0 (off) or positive"),
+        (not (cfg.pg == "gspo" and cfg.token_level),
+         "--pg gspo: GSPO's ratio is per sequence, so its loss is sequence-level: add --no-token-level (or --stage 4)"),
+        (not (cfg.pg == "gspo" and cfg.is_correction == "seq-mask-tis"),
+         "--pg gspo: seq-mask-tis weighs tokens, GSPO weighs sequences; use tis, icepop or seq-mask"),
+        (not (cfg.pg == "cispo" and (cfg.dual_clip or not cfg.token_level)),
+         "--pg cispo: CISPO is token-level and has no dual clip (drop --dual-clip / --no-token-level)"),
+        (cfg.is_correction == "none" or 0 <= cfg.is_min <= cfg.is_cap,
+         f"--is-min {cfg.is_min} --is-cap {cfg.is_cap}: the band needs 0 <= is-min <= is-cap"),
+        (cfg.is_correction not in ("icepop", "seq-mask-tis") or cfg.is_min > 0,
+         f"--is-correction {cfg.is_correction}: needs --is-min > 0 (NeMo-RL's reference bands: icepop 0.5-5, "
+         "seq-mask-tis 0.999-1.002)"),
         (not cfg.init_from or os.path.isfile(os.path.join(cfg.init_from, "config.json")),
          f"--init-from {cfg.init_from}: not an HF checkpoint folder (no config.json)"),
         (cfg.task != "math" or bool(cfg.data), "--data: the math task needs a problem file or dataset name"),
@@ -385,9 +428,8 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     elif engine is None:
         engine = rollout.HFEngine(path, dtype=engine_dtype, trust_remote_code=cfg.trust_remote_code, device=device)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
-    loss_cfg = grpo.LossConfig(cfg.eps_low, cfg.eps_high, cfg.dual_clip, cfg.kl_beta, cfg.kl_kind,
-                               cfg.token_level, cfg.is_correction, cfg.is_cap)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_factor(s, cfg.warmup_steps))
+    loss_cfg = loss_config(cfg)
     per_rank, G = cfg.prompts_per_step // world, cfg.group_size  # groups each rank trains on
     tp = cfg.tensor_parallel_size
     tp_rank, dp_rank, share = rank % tp, rank // tp, cfg.prompts_per_step // (world // tp)  # share: per engine
@@ -454,7 +496,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         t1 = t0 + t_gen
         t2 = t1 + t_score
         # 4. advantages
-        adv = grpo.group_advantages(rewards, cfg.leave_one_out, cfg.normalize_std)  # [P, G]
+        adv = grpo.group_advantages(rewards, cfg.leave_one_out, cfg.adv_scale, batch_std=batch_std(rewards, cfg))
         b = make_batch(prompts, samples, adv.flatten(), cfg.overlong_filter, tok.pad_token_id)
         t_batch = time.time()
         # 5-6. old (and reference) logprobs, then minibatch updates
@@ -483,7 +525,9 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
             loss=tot.get("loss", 0.0), grad_norm=float(grad_norm), clip_frac_low=tot.get("clip_low", 0.0) / n_loss_tok,
             clip_frac_high=tot.get("clip_high", 0.0) / n_loss_tok, kl=tot.get("kl", 0.0) / n_loss_tok,
             entropy=tot.get("entropy", 0.0) / n_tok, token_mult_prob_error=tot["token_mult_prob_error"] / n_tok,
-            gen_kl_error=tot["gen_kl_error"] / n_tok, truncated_frac=tot["truncated"] / n_seq,
+            gen_kl_error=tot["gen_kl_error"] / n_tok, policy_kl_error=tot["policy_kl_error"] / n_tok,
+            js_divergence_error=tot["js_divergence_error"] / n_tok, truncated_frac=tot["truncated"] / n_seq,
+            is_oob_frac=tot.get("is_oob", 0.0) / max(tot.get("is_units", 0.0), 1.0),
             zero_var_group_frac=tot["zero_var_groups"] / tot["groups"], adv_mean=adv_mean, skipped_updates=skipped,
             adv_std=max(tot["adv_sq"] / n_seq - adv_mean**2, 0.0) ** 0.5, generation_rounds=tries,
             lr=sched.get_last_lr()[0], time_generate=t1 - t0, time_score=t2 - t1, time_logprobs=t_logprobs,
@@ -530,12 +574,13 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
 # one's final checkpoint (--init-from). Responses get what the prompt (at most 1024 tokens) leaves.
 _DEEPSCALER = dict(task="math", prompts_per_step=128, group_size=8, minibatch_size=64, weight_decay=0.01,
                    warmup_steps=50, grad_clip=1.0, temperature=1.0, eps_low=0.2, activation_checkpointing=True,
-                   eval_every=10, eval_samples=16, detailed_progress=True)
+                   eval_every=10, eval_samples=16, detailed_progress=True, leave_one_out=True)
 STAGES = {
     1: dict(_DEEPSCALER, max_seq_len=8192, max_new_tokens=8192 - 1024, lr=2e-6, kl_beta=0.0, eps_high=0.2, steps=240),
     2: dict(_DEEPSCALER, max_seq_len=16384, max_new_tokens=16384 - 1024, lr=2e-6, kl_beta=1e-3, eps_high=0.28, steps=290),
     3: dict(_DEEPSCALER, max_seq_len=24576, max_new_tokens=24576 - 1024, lr=5e-7, kl_beta=1e-4, eps_high=0.28, steps=50),
 }
+STAGES[4] = dict(STAGES[1], pg="gspo", token_level=False)  # NeMo-RL's grpo-gspo-deepscaler-1.5b-8K: stage 1 + GSPO
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -546,8 +591,8 @@ def parse_args(argv: list[str]) -> Config:
     for i, a in enumerate(argv):
         value = a.split("=", 1)[1] if a.startswith("--stage=") else argv[i + 1] if a == "--stage" and i + 1 < len(argv) else None
         if value is not None:
-            if value not in ("0", "1", "2", "3"):
-                raise SystemExit(f"error: --stage {value}: unknown stage (use 1, 2 or 3)")
+            if value not in ("0", "1", "2", "3", "4"):
+                raise SystemExit(f"error: --stage {value}: unknown stage (use 1, 2, 3, or 4 for GSPO)")
             stage = int(value)
     default = Config(stage=stage, **STAGES[stage]) if stage else Config()
     return tyro.cli(Config, default=default, args=argv)

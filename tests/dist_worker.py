@@ -1,7 +1,7 @@
 """Run under torchrun by tests/test_distributed.py: one job per invocation, results written as files.
 
-  update OUT MICRO_TOKENS MINIBATCHES LR OPT   one GRPO update (OPT adamw or sgd) on a fixed global batch, in
-                                             float64; rank 0 saves the weights
+  update OUT MICRO_TOKENS MINIBATCHES LR OPT [PG]   one GRPO update (OPT adamw or sgd; PG ppo, gspo or cispo) on a
+                                                  fixed global batch, in float64; rank 0 saves the weights
   refit  OUT TP             shard, change the weights, refit each rank's vLLM engine (TP-sharded when TP > 1),
                             compare its logprobs with the trainer's
   die    OUT                rank 1 dies after a barrier; rank 0 waits in a collective
@@ -43,7 +43,7 @@ def fixed_global_batch(tok, P=8, G=4, seed=0):
     return prompts, samples, rewards
 
 
-def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: str):
+def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: str, pg: str = "ppo"):
     rank, world = dist.init(120)
     path = M.resolve(M.TINY)
     tok = M.load_tokenizer(path)
@@ -51,7 +51,8 @@ def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: 
     P, G = rewards.shape
     cfg = train.Config(prompts_per_step=P, group_size=G, minibatch_size=P * G // minibatches,
                        micro_batch_tokens=micro_tokens, lr=lr, eps_high=0.28, kl_beta=0.01,
-                       grad_clip=1.0 if opt_name == "adamw" else 1e9)  # SGD unclipped: dw = -lr * the gradient itself
+                       grad_clip=1.0 if opt_name == "adamw" else 1e9,  # SGD unclipped: dw = -lr * the gradient itself
+                       pg=pg, token_level=pg != "gspo")  # GSPO is sequence-level
     share = range(rank * P // world, (rank + 1) * P // world)  # a prompt's G samples stay on one rank
     my_samples = [rollout.Sample(i - share.start, s.token_ids, s.logprobs, s.truncated)
                   for s in samples for i in [s.prompt_idx] if i in share]
@@ -67,7 +68,7 @@ def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: 
     else:
         opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    loss_cfg = grpo.LossConfig(eps_high=cfg.eps_high, kl_beta=cfg.kl_beta)
+    loss_cfg = grpo.LossConfig(eps_high=cfg.eps_high, kl_beta=cfg.kl_beta, pg=cfg.pg, token_level=cfg.token_level)
     train.update_policy(policy, ref, opt, sched, b, cfg, loss_cfg, cpu, share.start)
     state = dist.full_state_dict(policy.lm)
     if dist.is_main():
@@ -118,5 +119,5 @@ def hang(out: Path):
 
 if __name__ == "__main__":
     job, out = sys.argv[1], Path(sys.argv[2])
-    {"update": lambda: update(out, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6]), "refit": lambda: refit(out, int(sys.argv[3])), "die": lambda: die(out),
+    {"update": lambda: update(out, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6], *sys.argv[7:8]), "refit": lambda: refit(out, int(sys.argv[3])), "die": lambda: die(out),
      "hang": lambda: hang(out)}[job]()

@@ -17,7 +17,9 @@ import distributed
 import model
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAGS = ["--steps", "6", "--checkpoint-every", "2", "--eval-every", "3", "--prompts-per-step", "16", "--quiet"]
+# a warm-up longer than the kill point: the resumed run must restore the LR schedule's position exactly
+FLAGS = ["--steps", "6", "--checkpoint-every", "2", "--eval-every", "3", "--prompts-per-step", "16", "--warmup-steps",
+         "5", "--quiet"]
 TIMING = ("time_", "elapsed", "tokens_per_s", "peak_mem")
 
 

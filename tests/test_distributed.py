@@ -41,17 +41,21 @@ def same_update_tolerance(lr: float) -> float:
     return 1e-4 * lr
 
 
-@pytest.mark.parametrize("micro_tokens,minibatches,lr,opt", [
+@pytest.mark.parametrize("micro_tokens,minibatches,lr,opt,pg", [
     # plain SGD without clipping moves each weight by -lr * its gradient, so a gradient off by a constant factor
     # (a wrong normalizer or rank scaling) shows; Adam and clipping would hide such a factor
-    (10_000, 1, 1.0, "sgd"),  # one optimizer step, one micro-batch per rank
-    (12, 1, 1e-3, "adamw"),  # one optimizer step over several micro-batches (and activation checkpointing)
-    (12, 2, 1e-4, "adamw"),  # two minibatches: the second step sees ratios != 1 and KL != 0
-], ids=["sgd-one-micro-batch", "micro-batched", "two-minibatches"])
-def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens, minibatches, lr, opt):
+    (10_000, 1, 1.0, "sgd", "ppo"),  # one optimizer step, one micro-batch per rank
+    (12, 1, 1e-3, "adamw", "ppo"),  # one optimizer step over several micro-batches (and activation checkpointing)
+    (12, 2, 1e-4, "adamw", "ppo"),  # two minibatches: the second step sees ratios != 1 and KL != 0
+    # GSPO (sequence ratio, sequence-level normalizer) and CISPO (stop-gradient weight) on the same two steps: the
+    # second step's ratios != 1 exercise their clipping
+    (12, 2, 1e-4, "adamw", "gspo"),
+    (12, 2, 1e-4, "adamw", "cispo"),
+], ids=["sgd-one-micro-batch", "micro-batched", "two-minibatches", "two-minibatches-gspo", "two-minibatches-cispo"])
+def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens, minibatches, lr, opt, pg):
     results = {}
     for n in (1, 2):
-        r = torchrun(n, "update", tmp_path / f"w{n}.pt", micro_tokens, minibatches, lr, opt)
+        r = torchrun(n, "update", tmp_path / f"w{n}.pt", micro_tokens, minibatches, lr, opt, pg)
         assert r.returncode == 0, r.stderr[-3000:]
         results[n] = torch.load(tmp_path / f"w{n}.pt")
     for k, w1 in results[1].items():

@@ -9,72 +9,114 @@ import torch
 import grpo
 
 
-def ref_advantages(rewards, leave_one_out, normalize_std, eps):
+def ref_advantages(rewards, leave_one_out, scale, eps):
+    """Per sample: baseline and std over the whole group, or over the G - 1 others (leave-one-out)."""
+    flat = [r for g in rewards for r in g]
+    bm = sum(flat) / len(flat)
+    batch_std = math.sqrt(sum((r - bm) ** 2 for r in flat) / (len(flat) - 1))
     out = []
     for group in rewards:
-        G = len(group)
-        mean = sum(group) / G
-        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (G - 1))
         row = []
         for i, r in enumerate(group):
-            b = (sum(group) - r) / (G - 1) if leave_one_out else mean
-            a = r - b
-            if normalize_std and std > 0:
-                a = a / (std + eps)
-            row.append(a)
+            pool = group[:i] + group[i + 1 :] if leave_one_out else group
+            b = sum(pool) / len(pool)
+            std = math.sqrt(sum((x - b) ** 2 for x in pool) / (len(pool) - 1)) if len(pool) >= 2 else 0.0
+            s = {"group": std, "batch": batch_std, "none": 0.0}[scale]
+            row.append((r - b) / (s + eps) if s > 0 else r - b)
         out.append(row)
     return out
 
 
 @pytest.mark.parametrize("leave_one_out", [False, True])
-@pytest.mark.parametrize("normalize_std", [True, False])
-def test_advantages_match_float64(leave_one_out, normalize_std):
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_match_float64(leave_one_out, scale):
     rng = random.Random(0)
     rewards = [[float(rng.random() < 0.4) for _ in range(8)] for _ in range(50)]
     rewards[0] = [1.0] * 8  # zero-variance groups
     rewards[1] = [0.0] * 8
     rewards[2] = [rng.random() for _ in range(8)]  # non-binary rewards too
-    got = grpo.group_advantages(torch.tensor(rewards), leave_one_out, normalize_std, eps=1e-6)
-    want = torch.tensor(ref_advantages(rewards, leave_one_out, normalize_std, 1e-6), dtype=torch.float64)
+    rewards[3] = [1.0] * 7 + [0.0]  # leave-one-out: the 0's others are all equal, their std is 0
+    got = grpo.group_advantages(torch.tensor(rewards), leave_one_out, scale, eps=1e-6)
+    want = torch.tensor(ref_advantages(rewards, leave_one_out, scale, 1e-6), dtype=torch.float64)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     assert got[0].abs().max() == 0 and got[1].abs().max() == 0
 
 
-def ref_loss(logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig):
-    """float64, token by token, straight from the equations in DESIGN.md."""
+def test_leave_one_out_uses_the_others_std_as_nemo_rl():
+    # mean and std of the two others: [2.5, 0.7071], [2, 1.4142], [1.5, 0.7071]
+    got = grpo.group_advantages(torch.tensor([[1.0, 2.0, 3.0]]), leave_one_out=True)
+    torch.testing.assert_close(got, torch.tensor([[-1.5 / 0.5**0.5, 0.0, 1.5 / 0.5**0.5]]), atol=1e-4, rtol=1e-5)
+    # G = 2: one other, no std to divide by
+    got = grpo.group_advantages(torch.tensor([[1.0, 0.0]]), leave_one_out=True)
+    torch.testing.assert_close(got, torch.tensor([[1.0, -1.0]]))
+
+
+def _kl_ref(x_raw, kind, cfg):
+    """(value, d value / d logp) of the clamped estimator, x_raw = ref - logp."""
+    x = max(-cfg.kl_input_clamp, min(cfg.kl_input_clamp, x_raw))
+    k, dk_dx = {"k1": (-x, -1.0), "k2": (0.5 * x * x, x), "k3": (math.exp(x) - 1 - x, math.exp(x) - 1)}[kind]
+    inside = x == x_raw
+    g = -dk_dx if inside else 0.0
+    if cfg.kl_score_term and inside:
+        g += k  # d/dlogp of exp(logp - sg(logp)) = 1, times k
+    if abs(k) > cfg.kl_output_clamp:
+        return math.copysign(cfg.kl_output_clamp, k), 0.0
+    return k, g
+
+
+def ref_loss_and_grad(logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig):
+    """float64 in plain Python, token by token, straight from grpo.py's docstring: the loss and its derivative
+    written by hand (CISPO's stop-gradient and the KL's score term are not derivatives of the value)."""
     B, T = len(logp), len(logp[0])
-    per_seq, total, count = [], 0.0, 0.0
+    rows = [[t for t in range(T) if mask[i][t]] for i in range(B)]
+    n_tok = sum(len(r) for r in rows)
+    n_seq = sum(1 for r in rows if r)
+    grad = [[0.0] * T for _ in range(B)]
+    total = 0.0
     for i in range(B):
-        s, n = 0.0, 0.0
-        for t in range(T):
-            if not mask[i][t]:
-                continue
-            rho = math.exp(logp[i][t] - old[i][t])
-            A = adv[i]
-            loss = max(-A * rho, -A * min(max(rho, 1 - cfg.eps_low), 1 + cfg.eps_high))
-            if cfg.dual_clip > 0 and A < 0:
-                loss = min(loss, -cfg.dual_clip * A)
-            w = 1.0
-            if cfg.is_correction != "none":
-                w = math.exp(old[i][t] - gen[i][t])
-                if cfg.is_correction == "tis":
-                    w = min(w, cfg.is_cap)
+        if not rows[i]:
+            continue
+        A, n = adv[i], len(rows[i])
+        coef = 1.0 / n_tok if cfg.token_level else 1.0 / (n * n_seq)  # weight of one token's loss
+        v = {t: math.exp(old[i][t] - gen[i][t]) for t in rows[i]}
+        w = dict.fromkeys(rows[i], 1.0)
+        lo, hi = cfg.is_min, cfg.is_cap
+        seq_v = math.exp(sum(old[i][t] - gen[i][t] for t in rows[i]))
+        if cfg.is_correction == "tis":
+            w = {t: min(max(seq_v if cfg.pg == "gspo" else v[t], lo), hi) for t in rows[i]}
+        elif cfg.is_correction == "icepop":
+            w = {t: (x if lo <= x <= hi else 0.0) for t in rows[i] for x in [seq_v if cfg.pg == "gspo" else v[t]]}
+        elif cfg.is_correction == "seq-mask":
+            w = dict.fromkeys(rows[i], seq_v if lo <= seq_v <= hi else 0.0)
+        elif cfg.is_correction == "seq-mask-tis":
+            geo = math.exp(sum(old[i][t] - gen[i][t] for t in rows[i]) / n)
+            w = {t: (v[t] if lo <= geo <= hi else 0.0) for t in rows[i]}
+        s = math.exp(sum(logp[i][t] - old[i][t] for t in rows[i]) / n)  # GSPO's sequence ratio
+        for t in rows[i]:
+            rho = s if cfg.pg == "gspo" else math.exp(logp[i][t] - old[i][t])
+            clip = min(max(rho, 1 - cfg.eps_low), 1 + cfg.eps_high)
+            if cfg.pg == "cispo":
+                pg, dpg = -A * clip * logp[i][t], -A * clip
+            elif cfg.pg == "reinforce":
+                pg, dpg = -A * logp[i][t], -A
+            else:
+                unclipped = -A * rho >= -A * clip  # the max takes the unclipped branch (equal inside the band)
+                pg, drho = (-A * rho, -A) if unclipped else (-A * clip, 0.0)
+                if cfg.dual_clip > 0 and A < 0 and pg > -cfg.dual_clip * A:
+                    pg, drho = -cfg.dual_clip * A, 0.0
+                if cfg.pg == "gspo":  # d s / d logp_t' = s / n for every token t' of the row
+                    for t2 in rows[i]:
+                        grad[i][t2] += coef * w[t] * drho * s / n
+                    dpg = 0.0
                 else:
-                    w = 1.0 if 1 / cfg.is_cap <= w <= cfg.is_cap else 0.0
-            loss *= w
+                    dpg = drho * rho
+            total += coef * w[t] * pg
+            grad[i][t] += coef * w[t] * dpg
             if cfg.kl_beta > 0:
-                x = max(-20.0, min(20.0, ref[i][t] - logp[i][t]))
-                kl = {"k1": -x, "k2": 0.5 * x * x, "k3": math.exp(x) - 1 - x}[cfg.kl_kind]
-                loss += cfg.kl_beta * kl
-            s += loss
-            n += 1
-        total += s
-        count += n
-        if n > 0:
-            per_seq.append(s / n)
-    if cfg.token_level:
-        return total / max(count, 1)
-    return sum(per_seq) / max(len(per_seq), 1)
+                k, dk = _kl_ref(ref[i][t] - logp[i][t], cfg.kl_kind, cfg)
+                total += coef * cfg.kl_beta * k
+                grad[i][t] += coef * cfg.kl_beta * dk
+    return total, grad
 
 
 CONFIGS = [
@@ -85,9 +127,27 @@ CONFIGS = [
     grpo.LossConfig(kl_beta=0.1, kl_kind="k1"),
     grpo.LossConfig(kl_beta=0.1, kl_kind="k2"),
     grpo.LossConfig(kl_beta=0.1, kl_kind="k3"),
+    grpo.LossConfig(kl_beta=0.1, kl_kind="k3", kl_score_term=False),
+    grpo.LossConfig(kl_beta=0.1, kl_kind="k3", token_level=False),
     grpo.LossConfig(is_correction="tis", is_cap=1.5),
-    grpo.LossConfig(is_correction="icepop", is_cap=1.5),
+    grpo.LossConfig(is_correction="tis", is_cap=1.5, is_min=0.8, token_level=False),
+    grpo.LossConfig(is_correction="icepop", is_min=0.7, is_cap=1.5),
+    grpo.LossConfig(is_correction="icepop", is_min=0.7, is_cap=1.5, token_level=False),
+    grpo.LossConfig(is_correction="seq-mask-tis", is_min=0.8, is_cap=1.25),
+    grpo.LossConfig(is_correction="seq-mask-tis", is_min=0.8, is_cap=1.25, token_level=False),
+    grpo.LossConfig(is_correction="seq-mask", is_min=0.3, is_cap=3.0),
+    grpo.LossConfig(is_correction="seq-mask", is_min=0.3, is_cap=3.0, token_level=False),
+    grpo.LossConfig(pg="gspo", token_level=False),
+    grpo.LossConfig(pg="gspo", token_level=False, eps_high=0.28, dual_clip=3.0, kl_beta=0.1),
+    grpo.LossConfig(pg="gspo", token_level=False, is_correction="tis", is_cap=1.5),
+    grpo.LossConfig(pg="gspo", token_level=False, is_correction="seq-mask", is_min=0.3, is_cap=3.0),
+    grpo.LossConfig(pg="cispo"),
+    grpo.LossConfig(pg="cispo", eps_high=0.28, kl_beta=0.1, is_correction="tis", is_cap=1.5),
+    grpo.LossConfig(pg="reinforce"),
+    grpo.LossConfig(pg="reinforce", token_level=False, kl_beta=0.1),
 ]
+# where the gradient is the derivative of the loss's value, finite differences check the hand-written one too
+TRUE_DERIVATIVE = lambda c: c.pg != "cispo" and not (c.kl_beta > 0 and c.kl_score_term)  # noqa: E731
 
 
 def random_inputs(seed, B=12, T=9):
@@ -99,8 +159,12 @@ def random_inputs(seed, B=12, T=9):
     adv = torch.randn(B, generator=g, dtype=torch.float64)
     lengths = torch.randint(0, T + 1, (B,), generator=g)
     lengths[0], lengths[1] = 0, T  # an empty response and a full one
+    lengths[3], lengths[4] = T, T
     mask = (torch.arange(T)[None, :] < lengths[:, None]).double()
     mask[2] = 0  # an all-masked row
+    ref[3, 0] = logp[3, 0] + 25  # beyond the KL's input clamp
+    ref[4, 0] = logp[4, 0] + 3  # k3 = 16.1: beyond the output clamp
+    ref[4, 1] = logp[4, 1] - 15  # k1 = 15, k2 = 112, k3 = 14: beyond it for all three
     return logp, old, adv, mask, gen, ref
 
 
@@ -109,22 +173,35 @@ def test_loss_and_grad_match_float64(cfg):
     for seed in range(3):
         logp, old, adv, mask, gen, ref = random_inputs(seed)
         norm = mask.sum().item() if cfg.token_level else float((mask.sum(1) > 0).sum())
-        x = logp.clone().float().requires_grad_(True)
-        loss, _ = grpo.policy_loss(x, old.float(), adv.float(), mask.float(), cfg, norm, ref.float(), gen.float())
+        x = logp.clone().requires_grad_(True)
+        loss, _ = grpo.policy_loss(x, old, adv, mask, cfg, norm, ref, gen)
         loss.backward()
-        L = lambda lp: ref_loss(lp, old.tolist(), adv.tolist(), mask.tolist(), gen.tolist(), ref.tolist(), cfg)
-        want = L(logp.tolist())
-        assert loss.item() == pytest.approx(want, abs=1e-5, rel=1e-4)
-        # gradient by central differences of the float64 reference
-        h = 1e-6
-        lp = logp.tolist()
-        for i, t in [(1, 0), (1, 4), (3, 1), (5, 2), (0, 0), (2, 3)]:
-            up = [row[:] for row in lp]
-            dn = [row[:] for row in lp]
-            up[i][t] += h
-            dn[i][t] -= h
-            fd = (L(up) - L(dn)) / (2 * h)
-            assert x.grad[i, t].item() == pytest.approx(fd, abs=1e-4), (i, t)
+        args = (old.tolist(), adv.tolist(), mask.tolist(), gen.tolist(), ref.tolist(), cfg)
+        want, want_grad = ref_loss_and_grad(logp.tolist(), *args)
+        assert loss.item() == pytest.approx(want, abs=1e-10, rel=1e-9)
+        torch.testing.assert_close(x.grad, torch.tensor(want_grad, dtype=torch.float64), atol=1e-10, rtol=1e-9)
+        if TRUE_DERIVATIVE(cfg):
+            h, lp = 1e-6, logp.tolist()
+            for i, t in [(1, 0), (1, 4), (3, 0), (3, 1), (4, 0), (4, 1), (5, 2), (0, 0), (2, 3)]:
+                up = [row[:] for row in lp]
+                dn = [row[:] for row in lp]
+                up[i][t] += h
+                dn[i][t] -= h
+                fd = (ref_loss_and_grad(up, *args)[0] - ref_loss_and_grad(dn, *args)[0]) / (2 * h)
+                assert want_grad[i][t] == pytest.approx(fd, abs=1e-6), (i, t)
+
+
+def test_is_oob_counts_what_the_correction_clipped_or_masked():
+    logp, old, adv, mask, gen, ref = random_inputs(0)
+    v = torch.exp(old - gen)
+    cfg = grpo.LossConfig(is_correction="icepop", is_min=0.7, is_cap=1.5)
+    _, m = grpo.policy_loss(logp, old, adv, mask, cfg, 1.0, ref, gen)
+    assert m["is_units"] == mask.sum() and m["is_oob"] == (((v < 0.7) | (v > 1.5)) * mask).sum() > 0
+    cfg = grpo.LossConfig(is_correction="seq-mask-tis", is_min=0.9, is_cap=1.1)
+    _, m = grpo.policy_loss(logp, old, adv, mask, cfg, 1.0, ref, gen)
+    rows = mask.sum(1) > 0
+    geo = torch.exp(((old - gen) * mask).sum(1) / mask.sum(1).clamp(min=1))
+    assert m["is_units"] == rows.sum() and m["is_oob"] == (((geo < 0.9) | (geo > 1.1)) & rows).sum() > 0
 
 
 def test_microbatch_split_gives_same_loss_and_grad():
@@ -165,7 +242,7 @@ def test_overlong_filter_masks_truncated_responses_but_keeps_them_in_the_baselin
     samples = [rollout.Sample(0, [5] * (3 if t else 2), [-0.5] * (3 if t else 2), t) for t in truncated]
     adv = grpo.group_advantages(rewards).flatten()
     # the baseline is the mean over all four rewards (0.5), truncated ones included
-    want = torch.tensor(ref_advantages(rewards.tolist(), False, True, 1e-6)[0], dtype=torch.float32)
+    want = torch.tensor(ref_advantages(rewards.tolist(), False, "group", 1e-6)[0], dtype=torch.float32)
     torch.testing.assert_close(adv, want)
     b = train.make_batch([[1, 2, 3]], samples, adv, overlong_filter=True, pad_id=0)
     assert b.loss_mask.sum(1).tolist() == [2, 0, 2, 0]

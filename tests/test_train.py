@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 import train
 
 METRIC_KEYS = {"reward_mean", "response_len_mean", "loss", "clip_frac_low", "clip_frac_high", "kl", "entropy",
-               "token_mult_prob_error", "gen_kl_error", "time_generate", "time_score", "time_logprobs", "time_update", "time_refit",
+               "token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error", "is_oob_frac", "time_generate", "time_score", "time_logprobs", "time_update", "time_refit",
                "tokens_per_s", "truncated_frac", "zero_var_group_frac"}
 
 
