@@ -71,11 +71,14 @@ def test_stage_presets_match_design_and_flags_override():
         assert (c.max_seq_len, c.lr, c.kl_beta, c.eps_high, c.steps) == (seq, lr, beta, eps_high, steps)
         assert (c.prompts_per_step, c.group_size, c.minibatch_size, c.eps_low, c.temperature) == (128, 8, 64, 0.2, 1.0)
         assert (c.weight_decay, c.warmup_steps, c.grad_clip, c.task, c.stage) == (0.01, 50, 1.0, "math", stage)
+        assert (c.leave_one_out, c.adv_scale, c.pg, c.token_level) == (True, "group", "ppo", True)
     c = train.parse_args(["--stage=2", "--lr", "1e-6", "--kl-beta", "0", "--max-seq-len", "12000"])
     assert (c.lr, c.kl_beta, c.max_seq_len, c.eps_high) == (1e-6, 0.0, 12000, 0.28)
     assert train.parse_args([]) == train.Config()
-    with pytest.raises(SystemExit, match="--stage 4: unknown stage"):
-        train.parse_args(["--stage", "4"])
+    gspo = train.parse_args(["--stage", "4"])  # NeMo-RL's GSPO DeepScaleR recipe: stage 1 with GSPO's loss
+    assert gspo == train.Config(**dict(train.STAGES[1], stage=4, pg="gspo", token_level=False))
+    with pytest.raises(SystemExit, match="--stage 5: unknown stage"):
+        train.parse_args(["--stage", "5"])
 
 
 def test_long_prompts_are_dropped_and_reported(tok, capsys):
