@@ -117,7 +117,7 @@ def model_for(name: str) -> str:
 def step_prompts(cfg: BenchConfig, steps: int) -> list[list[str]]:
     """The prompts train.py's loop draws at each step (same stream, same seed)."""
     train_set, _ = data.sum3_split()
-    stream = train.PromptStream(len(train_set), seed=0)
+    stream = data.PromptStream(len(train_set), seed=0)
     return [[train_set[i].prompt for i in stream.take(cfg.prompts)] for _ in range(steps)]
 
 

@@ -9,6 +9,8 @@ What it does:
 - the demo's synthetic task (sum of three digits, "3+9+4=" -> "16") with a fixed split into RL-training and
   held-out prompts, and the noisy pretraining corpus from which the built-in tiny base model learns it.
 
+- split and PromptStream: the held-out split and the endless, seeded, resumable order of training rows.
+
 What it does not do: score (reward.py does) or decide which prompts are too long (train.py does, and reports it).
 
 Why this task: from random initialization GRPO can barely learn arithmetic on a 2-layer model, and real RL starts
@@ -122,12 +124,28 @@ def load_problems(path: str, problem_field: str = "problem", answer_field: str =
     return problems
 
 
-def split_problems(problems: list[Problem], val_fraction: float, seed: int = 0) -> tuple[list[Problem], list[Problem]]:
-    """(train, validation): a seeded shuffle, then the last val_fraction of it held out."""
-    order = list(range(len(problems)))
+def split(items: list, val_fraction: float, seed: int = 0) -> tuple[list, list]:
+    """(train, validation) of any rows (problems, preference pairs): a seeded shuffle, val_fraction held out."""
+    order = list(range(len(items)))
     random.Random(seed).shuffle(order)
-    n_val = int(round(len(problems) * val_fraction))
-    return [problems[i] for i in order[n_val:]], [problems[i] for i in order[:n_val]]
+    n_val = int(round(len(items) * val_fraction))
+    return [items[i] for i in order[n_val:]], [items[i] for i in order[:n_val]]
+
+
+class PromptStream:
+    """Endless shuffled epochs over a training set's indices; every rank holds the same order (same seed). Its
+    rng and position (buf) go into checkpoints, so a resumed run draws what the uninterrupted one would have."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.rng, self.buf = n, random.Random(seed), []
+
+    def take(self, k: int) -> list[int]:
+        while len(self.buf) < k:
+            epoch = list(range(self.n))
+            self.rng.shuffle(epoch)
+            self.buf += epoch
+        out, self.buf = self.buf[:k], self.buf[k:]
+        return out
 
 
 def read_template(path: str) -> str | None:

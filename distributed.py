@@ -10,6 +10,7 @@ What it does:
 - full_weights: the model's full tensors, gathered from the shards in buckets bounded in bytes as they are
   consumed, so the refit never holds a second full copy of the model beside vLLM's.
 - reductions (sum, max, grad-norm clipping) that are no-ops in a single process, and rank-0 printing.
+- micro_batches: token-budget micro-batches, the same number on every rank (FSDP's collectives need it).
 - reuse_freed_memory: on CPU, glibc keeps freed memory for the next step instead of returning it to the kernel.
 
 - checkpoints: save_checkpoint / load_checkpoint with torch.distributed.checkpoint (each rank writes its shards of
@@ -112,6 +113,32 @@ def shard(root: torch.nn.Module, lm: torch.nn.Module, bf16_compute: bool, checkp
         fully_shard(layer, mp_policy=mp)
     fully_shard(root, mp_policy=mp)
     return root
+
+
+def micro_batches(lengths: list[int], rows: list[int], token_budget: int) -> list[list[int]]:
+    """`rows` in micro-batches whose padded size (rows x longest) stays within the token budget, padded with
+    empty micro-batches ([]) so that every rank runs the same number of forward/backward passes.
+
+    Longest first, so each micro-batch holds sequences of similar length and padding is small; a sequence longer
+    than the budget gets a micro-batch of its own; every row lands in exactly one. The padding is for FSDP: each
+    forward all-gathers parameters and each backward reduce-scatters gradients, so a rank that ran one pass fewer
+    would leave the others waiting forever. The caller runs an empty micro-batch as one row with zero weight.
+    A collective: every rank calls it.
+    """
+    out: list[list[int]] = []
+    for r in sorted(rows, key=lambda r: -lengths[r]):
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= token_budget:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    n = int(all_reduce_max(torch.tensor([len(out)])).item())
+    return out + [[]] * (n - len(out))
+
+
+def share(items: list, group: int | None = None, groups: int | None = None) -> tuple[int, int]:
+    """[first, last) of this rank's contiguous share of `items` (or of group `group` of `groups`)."""
+    group, groups = (rank(), world_size()) if group is None else (group, groups)
+    return group * len(items) // groups, (group + 1) * len(items) // groups
 
 
 def loss_scale() -> float:

@@ -3,10 +3,10 @@
 What it does: trains a policy on (prompt, chosen, rejected) pairs with the DPO loss (Rafailov et al. 2023), its
 label-smoothed "conservative" variant, or IPO (Azar et al. 2023), against a frozen reference model (the start
 weights). Everything else is GRPO's machinery, reused: model.py's chunked per-token logprobs, distributed.py's
-FSDP2 sharding, global-normalizer reductions and checkpoint I/O, train.py's token-budget micro-batches, model
-loading and HF export, logs.py's metrics.jsonl. Compared with train.py, what is *gone* is the whole online half
-(generation, rewards, advantages, refit): the data are fixed pairs, and the "reward" is implicit in the
-log-ratio between policy and reference. What is *new* is one loss and one data loader.
+FSDP2 sharding, token-budget micro-batches, global-normalizer reductions and checkpoint I/O, runtime.py's
+set-up, resume and checkpoints, eval_aime.py's held-out accuracy, logs.py's metrics.jsonl. Compared with
+train.py, what is *gone* is the whole online half (generation, rewards, advantages, refit): the data are fixed
+pairs, and the "reward" is implicit in the log-ratio between policy and reference. What is *new* is one loss and one data loader.
 
     h_i    = [log pi(y_c|x) - log pi_ref(y_c|x)] - [log pi(y_r|x) - log pi_ref(y_r|x)]   (log-ratio margin)
     DPO    : l_i = -(1 - eps) log sigmoid(beta h_i) - eps log sigmoid(-beta h_i)          (eps = label smoothing)
@@ -27,7 +27,6 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -35,10 +34,10 @@ import torch.nn.functional as F
 
 import data
 import distributed as dist
+import eval_aime
 import model as M
+import reward
 import runtime
-import train
-from logs import RunLog
 
 
 @dataclass
@@ -257,10 +256,8 @@ def load_preferences(cfg: DPOConfig) -> tuple[list[PrefRow], list[PrefRow], list
     rows = load_pairs(cfg.data, cfg.prompt_field, cfg.chosen_field, cfg.rejected_field)
     if cfg.val_data:
         return rows, load_pairs(cfg.val_data, cfg.prompt_field, cfg.chosen_field, cfg.rejected_field), []
-    order = list(range(len(rows)))
-    random.Random(cfg.seed).shuffle(order)
-    n_val = int(round(len(rows) * cfg.val_fraction))
-    return [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]], []
+    train_rows, heldout_rows = data.split(rows, cfg.val_fraction, cfg.seed)
+    return train_rows, heldout_rows, []
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -293,10 +290,8 @@ def pair_logps(m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int, grad: 
 
 def equal_micro_batches(pairs: list[Pair], token_budget: int) -> list[list[int]]:
     """Whole pairs per micro-batch (the loss needs both rows), within the token budget counted over both padded
-    rows; padded with empty micro-batches so every rank runs the same number of FSDP passes (see train.py)."""
-    mbs = train.micro_batches([2 * p.length for p in pairs], list(range(len(pairs))), token_budget) if pairs else []
-    n = int(dist.all_reduce_max(torch.tensor([len(mbs)])).item())
-    return mbs + [[]] * (n - len(mbs))
+    rows; the same number on every rank (distributed.micro_batches)."""
+    return dist.micro_batches([2 * p.length for p in pairs], list(range(len(pairs))), token_budget)
 
 
 def update(policy, ref, opt, sched, pairs: list[Pair], n_global: int, cfg: DPOConfig, device, pad_id: int):
@@ -337,11 +332,6 @@ def update(policy, ref, opt, sched, pairs: list[Pair], n_global: int, cfg: DPOCo
 # Evaluation
 
 
-def _share(items: list) -> list:
-    r, w = dist.rank(), dist.world_size()
-    return items[r * len(items) // w : (r + 1) * len(items) // w]
-
-
 def eval_logps(m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int) -> torch.Tensor:
     """[n, 2] log pi of (chosen, rejected) for this rank's share of `pairs` (no grad; every rank the same passes)."""
     out = torch.zeros(len(pairs), 2, dtype=torch.float64)
@@ -370,11 +360,12 @@ def evaluate_pairs(policy, ref_lp: torch.Tensor, pairs: list[Pair], cfg: DPOConf
 
 
 def evaluate_task(engine, policy, tok, cfg: DPOConfig, problems: list[data.Problem], seed: int) -> dict:
-    """The sum3 demo only: held-out greedy accuracy and pass@1, exactly as GRPO's demo measures them (train.evaluate),
-    with the policy's current weights loaded into an HF-generate engine."""
+    """The sum3 demo only: held-out greedy accuracy and pass@1, exactly as GRPO's demo measures them, with the
+    policy's current weights loaded into an HF-generate engine."""
     engine.load_weights(dist.full_weights(policy.lm))
-    ecfg = train.Config(eval_samples=cfg.eval_samples, max_new_tokens=cfg.max_new_tokens, temperature=1.0, quiet=True)
-    return train.evaluate(engine, tok, ecfg, problems, [tok(p.prompt)["input_ids"] for p in problems], seed)
+    prompts = [tok(p.prompt)["input_ids"] for p in problems]
+    return eval_aime.heldout_accuracy(engine, tok, prompts, [p.answer for p in problems], reward.exact_reward,
+                                      cfg.eval_samples, cfg.max_new_tokens, 1.0, seed)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -406,10 +397,7 @@ def train_dpo(cfg: DPOConfig) -> dict:
     rank, world = dist.init(cfg.dist_timeout_s)
     validate(cfg, world)
     device, bf16 = runtime.setup_process(cfg)
-    out = Path(cfg.out_dir or f"runs/dpo-{time.strftime('%Y%m%d-%H%M%S')}")
-    if dist.is_main():
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    out = runtime.run_folder(cfg, "dpo-")
 
     train_rows, heldout_rows, heldout_problems = load_preferences(cfg)  # bad data stops here, before any model
     path = model_path(cfg)
@@ -427,8 +415,8 @@ def train_dpo(cfg: DPOConfig) -> dict:
         engine = HFEngine(path, dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
-    stream = train.PromptStream(len(train_pairs), cfg.seed)  # same shuffled order on every rank
-    my_heldout = _share(heldout_pairs)
+    stream = data.PromptStream(len(train_pairs), cfg.seed)  # same shuffled order on every rank
+    my_heldout = heldout_pairs[slice(*dist.share(heldout_pairs))]
     ref_heldout = eval_logps(ref, my_heldout, cfg, device, tok.pad_token_id) if cfg.eval_every else None
 
     def evaluate(step: int) -> dict:
@@ -439,33 +427,19 @@ def train_dpo(cfg: DPOConfig) -> dict:
 
     from tqdm import tqdm
 
-    log = RunLog(out, cfg.tensorboard, cfg.wandb_project, asdict(cfg)) if dist.is_main() else None
-    resumed = runtime.resume(out / "checkpoints", policy, opt, sched, stream) if cfg.resume else None
-    if resumed is not None:
-        ckpt, start = resumed
-        history = log.start(keep_until=start) if log else []
-        dist.print0(f"resumed from {ckpt} at step {start}")
-    else:
-        start = 0
-        history = [dict(step=0, **(evaluate(0) if cfg.eval_every else {}))]
-        if log:
-            log.start(keep_until=None)
-            log.write(history[0])
+    start, history, log = runtime.resume_or_start(out, cfg, policy, opt, sched, stream, first_row=lambda: evaluate(0))
     last_eval = next((r for r in reversed(history) if "heldout_pref_acc" in r), {})
     bar = tqdm(range(start + 1, cfg.steps + 1), disable=cfg.quiet or not dist.is_main(), desc=cfg.loss.upper(),
                dynamic_ncols=True)
     share = cfg.batch_size // world
-    t_start, bad_steps, stop, saved = time.time(), 0, False, None
+    t_start, bad_steps, stop = time.time(), 0, False
     ctrl_c = runtime.CtrlC(install=__name__ == "__main__")
     for step in bar:
         t0 = time.time()
         ids = stream.take(cfg.batch_size)[rank * share : (rank + 1) * share]  # this rank's share of the global batch
         sums, grad_norm, skipped = update(policy, ref, opt, sched, [train_pairs[i] for i in ids], cfg.batch_size,
                                           cfg, device, tok.pad_token_id)
-        bad_steps = bad_steps + 1 if skipped else 0
-        if bad_steps >= cfg.max_skipped_steps:
-            raise SystemExit(f"error: step {step}: non-finite loss or gradient for {bad_steps} steps in a row "
-                             f"(--max-skipped-steps {cfg.max_skipped_steps}); last checkpoint in {out / 'checkpoints'}")
+        bad_steps = runtime.skipped_in_a_row(bad_steps, skipped, step, cfg, out)
         keys = sorted(sums)
         tot = dict(zip(keys, dist.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist()))
         row = dict(step=step, epoch=step * cfg.batch_size / len(train_pairs),
@@ -482,17 +456,14 @@ def train_dpo(cfg: DPOConfig) -> dict:
             log.write(row)
             bar.set_postfix(loss=f"{row.get('loss', 0):.3f}", acc=f"{row.get('reward_acc', 0):.2f}",
                             heldout=f"{last_eval.get('heldout_pref_acc', 0):.2f}")
-        stop = dist.all_reduce_max(torch.tensor([float(ctrl_c.is_set())])).item() > 0
-        if stop or (cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps)):
-            saved = runtime.save_step(out, step, policy, opt, sched, stream, {"config": asdict(cfg), "algo": "dpo"},
-                                    cfg.keep_checkpoints)
+        stop = runtime.end_of_step(step, cfg, out, policy, opt, sched, stream, {"config": asdict(cfg), "algo": "dpo"},
+                                   ctrl_c)
         if stop:
             break
     bar.close()
     if log:
         log.close()
     if stop:
-        dist.print0(f"interrupted after step {step}: checkpoint {saved}; the same command resumes from it")
         dist.close()
         raise SystemExit(130)
     if cfg.save_final:

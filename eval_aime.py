@@ -10,6 +10,8 @@ to a JSONL (written aside and renamed, never half-written) and prints a table: c
 Under torchrun the problems are split over the engines (one per rank, or per --tensor-parallel-size ranks) and
 the figures are those one process would write.
 
+heldout_accuracy is the same measurement as training runs log it every --eval-every steps.
+
 What it does not do: train, or score any other way than reward.py does.
 
     python eval_aime.py --model runs/<run>/final --data aime24.jsonl
@@ -18,10 +20,11 @@ What it does not do: train, or score any other way than reward.py does.
 
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
+
+import torch
 
 
 @dataclass
@@ -65,6 +68,24 @@ def summarize(rows: list[dict], n_problems: int, k: int) -> dict:
             "truncated_frac": sum(r["truncated"] for r in rows) / len(rows), "correct": correct}
 
 
+def heldout_accuracy(engine, tok, prompts: list[list[int]], answers: list[str], reward_fn, k: int, max_tokens: int,
+                     temperature: float, seed: int, tp: int = 1, progress: bool = False) -> dict:
+    """The held-out figures a training run logs (GRPO and DPO): heldout_pass1 = mean reward over k samples per
+    prompt at `temperature`, heldout_greedy = mean reward of one greedy response per prompt. Each engine (rank, or
+    group of `tp` tensor-parallel ranks sending identical requests) takes its share; a collective."""
+    import distributed as dist
+
+    first, last = dist.share(prompts, dist.rank() // tp, dist.world_size() // tp)
+    mine, gold = prompts[first:last], answers[first:last]
+    sampled = engine.generate(mine, n=k, max_tokens=max_tokens, temperature=temperature, seed=seed, progress=progress)
+    greedy = engine.generate(mine, n=1, max_tokens=max_tokens, temperature=0.0, seed=seed)
+    s = [reward_fn(tok.decode(x.token_ids, skip_special_tokens=True), gold[x.prompt_idx]) for x in sampled]
+    g = [reward_fn(tok.decode(x.token_ids, skip_special_tokens=True), gold[x.prompt_idx]) for x in greedy]
+    counted = float(dist.rank() % tp == 0)
+    tot = dist.all_reduce_sum(counted * torch.tensor([sum(s), len(s), sum(g), len(g)], dtype=torch.float64)).tolist()
+    return {"heldout_pass1": tot[0] / tot[1], "heldout_greedy": tot[2] / tot[3]} if tot[1] else {}
+
+
 def validate(cfg: EvalConfig, world: int) -> None:
     """One line naming the bad flag, before any model or engine loads."""
     import runtime
@@ -104,8 +125,8 @@ def main(cfg: EvalConfig, engine=None) -> dict:
     prompts = [data.math_prompt(tok, p.prompt, template) for p in problems]
     max_len = cfg.max_model_len or max(map(len, prompts)) + cfg.max_tokens
     tp = cfg.tensor_parallel_size
-    group, groups = rank // tp, world // tp
-    first, last = group * len(prompts) // groups, (group + 1) * len(prompts) // groups
+    groups = world // tp
+    first, last = dist.share(prompts, rank // tp, groups)
     engine = engine or rollout.VLLMEngine(path, max_model_len=max_len, seed=cfg.seed, dtype=cfg.dtype,
                                           tensor_parallel_size=tp, trust_remote_code=cfg.trust_remote_code,
                                           external_launcher=world > 1)

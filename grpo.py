@@ -64,23 +64,18 @@ def group_baseline_and_std(rewards: torch.Tensor, leave_one_out: bool = False) -
       b_i = mean_{j != i} r_j, s_i = sample std of those G - 1 others (Bessel over G - 1)  (leave-one-out, RLOO:
             Ahmadian et al. 2024); s_i = 0 when G - 1 < 2, where a std of one value is undefined
     """
-    r = rewards.double()  # [P, G]; float64 so E[r^2] - E[r]^2 does not cancel badly for large rewards
-    G = r.shape[1]
+    r = rewards.double()  # [P, G]
+    P, G = r.shape
     if G < 2:
         raise ValueError(f"group advantages need at least 2 samples per prompt, got G={G}")
-    n = G - 1 if leave_one_out else G
-    s1 = r.sum(dim=1, keepdim=True)  # [P, 1]
-    s2 = (r * r).sum(dim=1, keepdim=True)
+    peers = r[:, None, :].expand(P, G, G)  # [P, G, G]: for sample i, the rewards b_i and s_i are taken over
     if leave_one_out:
-        s1, s2 = s1 - r, s2 - r * r  # [P, G]: sums over the others
-    mean = (s1 / n).expand_as(r)  # [P, G]
-    if n < 2:
-        return mean.float(), torch.zeros_like(mean).float()
-    var = (s2 / n - mean * mean) * (n / (n - 1))
-    std = var.clamp(min=0).sqrt()
-    # E[r^2] - E[r]^2 leaves rounding noise where the others are all equal: such a std is 0 exactly
-    std = torch.where(var <= 1e-12 * (s2 / n).clamp(min=1e-300), torch.zeros_like(std), std)
-    return mean.float(), std.float()
+        peers = peers[:, ~torch.eye(G, dtype=torch.bool)].view(P, G, G - 1)  # [P, G, G-1]: all but r_i
+    if peers.shape[-1] < 2:
+        return peers.mean(-1).float(), torch.zeros(P, G)
+    # peers that are all equal have std 0 exactly (their float mean need not be exactly their value)
+    std = torch.where(peers.amax(-1) == peers.amin(-1), 0.0, peers.std(-1))  # [P, G]
+    return peers.mean(-1).float(), std.float()
 
 
 def group_advantages(

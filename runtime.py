@@ -5,7 +5,9 @@ What it does:
   exit status 2, before any model or engine loads. model_checks says what is wrong with a --model value.
 - setup_process: this rank's threads, seed, device and compute dtype (bf16_compute, autocast); load_trainable:
   the trainer's model, sharded over the ranks.
-- CtrlC: the first Ctrl-C stops the loop after the current step, with a checkpoint; a second one aborts.
+- run_folder, resume_or_start, skipped_in_a_row, end_of_step: the loop's bookkeeping, which GRPO and DPO share
+  (where a run writes, where it starts, when it stops); CtrlC: the first Ctrl-C stops the loop after the current
+  step, with a checkpoint; a second one aborts. timed: a phase's seconds, for the metrics.
 - save_step / resume: a checkpoint holds everything a resumed run needs to continue exactly (model and optimizer
   shards through distributed.py, and on every rank the LR schedule, the data order and the RNG); resume picks the
   newest checkpoint that can be read and says, in one line, why it skipped any newer one.
@@ -22,6 +24,9 @@ import shutil
 import signal
 import sys
 import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -149,6 +154,68 @@ class CtrlC:
 
     def is_set(self) -> bool:
         return self._set
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loop's bookkeeping
+
+
+def run_folder(cfg, prefix: str = "") -> Path:
+    """--out-dir, by default runs/<prefix><date-time>; rank 0 creates it and writes the run's config.json."""
+    out = Path(cfg.out_dir or f"runs/{prefix}{time.strftime('%Y%m%d-%H%M%S')}")
+    if dist.is_main():
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    return out
+
+
+def resume_or_start(out: Path, cfg, policy, opt, sched, stream, first_row) -> tuple[int, list[dict], object]:
+    """(the step to continue after, the metrics rows so far, rank 0's RunLog or None).
+
+    With --resume (default) and a readable checkpoint in <out>/checkpoints, everything continues from it and
+    metrics.jsonl is cut back to its step. Otherwise the run starts at step 0, whose row is first() (the start
+    weights' held-out figures, or nothing when --eval-every is 0)."""
+    from logs import RunLog
+
+    log = RunLog(out, cfg.tensorboard, cfg.wandb_project, asdict(cfg)) if dist.is_main() else None
+    resumed = resume(out / "checkpoints", policy, opt, sched, stream) if cfg.resume else None
+    if resumed is not None:
+        ckpt, start = resumed
+        dist.print0(f"resumed from {ckpt} at step {start}")
+        return start, log.start(keep_until=start) if log else [], log
+    history = [dict(step=0, **(first_row() if cfg.eval_every else {}))]
+    if log:
+        log.start(keep_until=None)
+        log.write(history[0])
+    return 0, history, log
+
+
+def skipped_in_a_row(bad_steps: int, skipped: int, step: int, cfg, out: Path) -> int:
+    """Steps in a row with a skipped (non-finite) update; --max-skipped-steps of them stop the run."""
+    bad_steps = bad_steps + 1 if skipped else 0
+    if bad_steps >= cfg.max_skipped_steps:
+        raise SystemExit(f"error: step {step}: non-finite loss or gradient for {bad_steps} steps in a row "
+                         f"(--max-skipped-steps {cfg.max_skipped_steps}); last checkpoint in {out / 'checkpoints'}")
+    return bad_steps
+
+
+def end_of_step(step: int, cfg, out: Path, policy, opt, sched, stream, meta: dict, ctrl_c: "CtrlC") -> bool:
+    """A checkpoint every --checkpoint-every steps, at the last step, and when Ctrl-C was pressed on any rank;
+    returns whether the run stops here (Ctrl-C), after saying how to resume."""
+    stop = dist.all_reduce_max(torch.tensor([float(ctrl_c.is_set())])).item() > 0
+    if stop or (cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps)):
+        saved = save_step(out, step, policy, opt, sched, stream, meta, cfg.keep_checkpoints)
+        if stop:
+            dist.print0(f"interrupted after step {step}: checkpoint {saved}; the same command resumes from it")
+    return stop
+
+
+@contextmanager
+def timed(times: dict, name: str):
+    """Adds the seconds the block takes to times[name]."""
+    t = time.time()
+    yield
+    times[name] = times.get(name, 0.0) + time.time() - t
 
 
 # ----------------------------------------------------------------------------------------------------------------

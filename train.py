@@ -1,35 +1,41 @@
-"""GRPO training: the config and the loop. `python train.py` runs the CPU demo; `--help` lists every flag.
+"""GRPO training: the config, DeepScaleR's stage presets, and the loop. `python train.py` runs the CPU demo;
+`--help` lists every flag; `python train.py export CKPT OUT` writes a saved step as an HF folder.
 
-What it does: wires the other files into the data flow of DESIGN.md, one step at a time:
-    prompts -> generate (rollout.py) -> score (reward.py) -> advantages (grpo.py) -> old logprobs (model.py)
-    -> minibatch updates (grpo.py loss, AdamW, grad clip) -> refit (rollout.py) -> log (+ held-out eval)
-Each step writes one JSON line to <out_dir>/metrics.jsonl (logs.py), checkpoints go to <out_dir>/checkpoints and
-a run resumes from the newest one, the final weights go to <out_dir>/final as an HF checkpoint. Under torchrun the
-trainer is sharded with FSDP2 and each vLLM engine generates for its share of the prompts (distributed.py).
-Also here: the DeepScaleR stage presets (STAGES), config validation, and `python train.py export CKPT OUT`.
+One GRPO step, as train() runs it (each a named call below, in this order):
+    1. take the step's P prompts; each engine its share                          data.PromptStream
+    2. generate G responses per prompt, with the engine's logprobs               collect_groups -> rollout.py
+    3. score each response: 1 or 0                                               collect_groups -> reward.py
+    4. advantages from each group's rewards                                      grpo.group_advantages
+    5. the trainer's old (and reference) logprobs of the sampled tokens          update_policy -> model.py
+    6. per minibatch: loss -> backward over token-budget micro-batches -> clip -> AdamW     update_policy -> grpo.py
+    7. refit: the engine gets the new weights                                    rollout.Engine.load_weights
+    8. metrics reduced over ranks, held-out evaluation, checkpoint               step_metrics, eval_aime, runtime
+Each step writes one JSON line to <out_dir>/metrics.jsonl (logs.py); a run resumes from the newest readable
+checkpoint in <out_dir>/checkpoints; the final weights go to <out_dir>/final. Under torchrun the trainer is
+sharded with FSDP2 and each engine generates for its share of the prompts (distributed.py).
 
-What it does not do: anything the files it calls own. Tasks, datasets and prompts live in data.py.
+What it does not do: anything the files it calls own. The math is in grpo.py, tasks and prompts in data.py,
+checkpoints, process set-up and Ctrl-C in runtime.py.
 """
 
 import json
 import os
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Literal
 
 import torch
 
 import data
 import distributed as dist
+import eval_aime
 import grpo
 import model as M
 import reward
 import rollout
 import runtime
-from logs import RunLog, plot
+from logs import plot
 
 
 @dataclass
@@ -110,13 +116,182 @@ class Config:
     detailed_progress: bool = False  # also bars for each step's rollout, training and evaluation (long GPU steps)
 
 
+# DeepScaleR's three stages as NeMo-RL ran them on 8 GPUs (README: The recipe). Each stage starts from the previous
+# one's final checkpoint (--init-from). Responses get what the prompt (at most 1024 tokens) leaves.
+_DEEPSCALER = dict(task="math", prompts_per_step=128, group_size=8, minibatch_size=64, weight_decay=0.01,
+                   warmup_steps=50, grad_clip=1.0, temperature=1.0, eps_low=0.2, activation_checkpointing=True,
+                   eval_every=10, eval_samples=16, detailed_progress=True, leave_one_out=True)
+STAGES = {
+    1: dict(_DEEPSCALER, max_seq_len=8192, max_new_tokens=8192 - 1024, lr=2e-6, kl_beta=0.0, eps_high=0.2, steps=240),
+    2: dict(_DEEPSCALER, max_seq_len=16384, max_new_tokens=16384 - 1024, lr=2e-6, kl_beta=1e-3, eps_high=0.28, steps=290),
+    3: dict(_DEEPSCALER, max_seq_len=24576, max_new_tokens=24576 - 1024, lr=5e-7, kl_beta=1e-4, eps_high=0.28, steps=50),
+}
+STAGES[4] = dict(STAGES[1], pg="gspo", token_level=False)  # NeMo-RL's grpo-gspo-deepscaler-1.5b-8K: stage 1 + GSPO
+
+
+def parse_args(argv: list[str]) -> Config:
+    """The command line: `--stage N` sets the preset's values as defaults, and every other flag overrides them."""
+    import tyro
+
+    stage = 0
+    for i, a in enumerate(argv):
+        value = a.split("=", 1)[1] if a.startswith("--stage=") else argv[i + 1] if a == "--stage" and i + 1 < len(argv) else None
+        if value is not None:
+            if value not in ("0", "1", "2", "3", "4"):
+                raise SystemExit(f"error: --stage {value}: unknown stage (use 1, 2, 3, or 4 for GSPO)")
+            stage = int(value)
+    default = Config(stage=stage, **STAGES[stage]) if stage else Config()
+    return tyro.cli(Config, default=default, args=argv)
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Helpers for the steps of the loop
+# The loop
 
 
-def model_path(cfg: "Config") -> str:
-    """Where the run's starting weights are: --init-from, else --model (a built-in base is built on first use)."""
-    return cfg.init_from or M.resolve(cfg.model)
+def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
+    """Run GRPO; `engine` lets a caller (the tests, bench.py) bring an engine that already holds the base model."""
+    rank, world = dist.init(cfg.dist_timeout_s)
+    validate(cfg, world)  # bad flags and bad data stop the run here, before any model or engine loads
+    device, bf16 = runtime.setup_process(cfg)
+    out = runtime.run_folder(cfg)
+    task = load_task(cfg)
+    policy = runtime.load_trainable(task.path, device, bf16, cfg.activation_checkpointing, cfg.trust_remote_code)
+    ref = None
+    if cfg.kl_beta > 0:  # the frozen initial model, sharded like the policy, only when the KL term is on
+        ref = runtime.load_trainable(task.path, device, bf16, False, cfg.trust_remote_code).eval().requires_grad_(False)
+    engine_dtype = torch.bfloat16 if bf16 else torch.float32
+    engine = engine or make_engine(cfg, task.path, engine_dtype, device)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_factor(s, cfg.warmup_steps))
+    stream = data.PromptStream(len(task.train), cfg.seed)
+    evaluate = lambda step: eval_aime.heldout_accuracy(  # noqa: E731
+        engine, task.tok, task.heldout_prompts, [p.answer for p in task.heldout], task.reward_fn, cfg.eval_samples,
+        cfg.max_new_tokens, cfg.temperature, cfg.seed + step, cfg.tensor_parallel_size, _bars(cfg))
+    start, history, log = runtime.resume_or_start(out, cfg, policy, opt, sched, stream, first_row=lambda: evaluate(0))
+    if start:
+        engine.load_weights(dist.full_weights(policy.lm, engine_dtype))  # the engine samples from resumed weights
+    last_eval = next((r for r in reversed(history) if "heldout_pass1" in r), {})
+    from tqdm import tqdm
+
+    bar = tqdm(range(start + 1, cfg.steps + 1), disable=cfg.quiet or not dist.is_main(), desc="GRPO",
+               dynamic_ncols=True)
+    t_start, bad_steps, stop = time.time(), 0, False
+    ctrl_c = runtime.CtrlC(install=__name__ == "__main__")  # only a command-line run owns the process's SIGINT
+    for step in bar:
+        t0, times = time.time(), {}
+        # 1-3. this rank's share of the step's prompts, G responses each, scored
+        groups = collect_groups(engine, task, stream, cfg, step, times)
+        engine.sleep()  # on GPU the trainer gets the KV cache's memory until the refit wakes the engine
+        # 4. advantages: each response's reward against its group's
+        adv = grpo.group_advantages(groups.rewards, cfg.leave_one_out, cfg.adv_scale,
+                                    batch_std=batch_std(groups.rewards, cfg))  # [P, G]
+        batch = make_batch(groups.prompts, groups.samples, adv.flatten(), cfg.overlong_filter, task.tok.pad_token_id)
+        # 5-6. old (and reference) logprobs, then one AdamW step per minibatch
+        upd = update_policy(policy, ref, opt, sched, batch, cfg, device, rank * (cfg.prompts_per_step // world), times)
+        bad_steps = runtime.skipped_in_a_row(bad_steps, upd.skipped, step, cfg, out)
+        # 7. refit: the engine samples the next step from the new weights
+        with runtime.timed(times, "refit"):
+            engine.load_weights(dist.full_weights(policy.lm, engine_dtype))
+        # 8. metrics over all ranks, held-out evaluation, checkpoint
+        row = step_metrics(step, groups, batch, adv, upd, sched, times)
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            last_eval = evaluate(step)
+            row.update(last_eval)
+        row.update(peak_mem_gib=runtime.peak_memory_gib(device), time_step=time.time() - t0)
+        row.update(tokens_per_s=row["response_len_mean"] * row["seqs"] / row["time_step"], elapsed=time.time() - t_start)
+        history.append(row)
+        if log:
+            log.write(row)
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", heldout=f"{last_eval.get('heldout_pass1', 0):.2f}",
+                            mpe=f"{row['token_mult_prob_error']:.3f}")
+        stop = runtime.end_of_step(step, cfg, out, policy, opt, sched, stream, {"config": asdict(cfg)}, ctrl_c)
+        if stop:
+            break
+    bar.close()
+    if log:
+        log.close()
+        if cfg.plot:
+            plot(out)
+    if stop:
+        dist.close()
+        raise SystemExit(130)
+    if cfg.save_final:
+        runtime.save_hf(policy.lm, task.tok, out / "final")
+    summary = dict(out_dir=str(out), minutes=(time.time() - t_start) / 60,
+                   first=history[0], last={k: v for k, v in history[-1].items() if k.startswith("heldout")})
+    dist.print0(json.dumps(summary))
+    dist.close()
+    return dict(history=history, out_dir=str(out))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Steps 1-3: the step's groups
+
+
+@dataclass
+class Groups:
+    """This rank's groups of one step: G samples of each of P prompts, scored."""
+
+    prompts: list[list[int]]  # [P] prompt token ids
+    samples: list[rollout.Sample]  # [P * G], prompt-major; sample.prompt_idx indexes `prompts`
+    rewards: torch.Tensor  # [P, G]
+    drawn: int  # groups generated, over every dynamic-sampling round (this rank's engine)
+    zero_variance: int  # of those, groups whose rewards were all equal (no learning signal)
+    rounds: int  # generation rounds (1 unless dynamic sampling drew more)
+
+
+def collect_groups(engine, task: "Task", stream: data.PromptStream, cfg: Config, step: int, times: dict) -> Groups:
+    """Steps 1-3: the step's prompts -> G responses each -> rewards.
+
+    Each engine takes its share of the step's prompts (the ranks of a tensor-parallel engine send it identical
+    requests, then each keeps its part) and a prompt's G samples stay on one rank. With dynamic sampling (DAPO),
+    groups whose rewards are all equal are dropped and more prompts are drawn until every engine has its share of
+    informative groups or the tries run out; all ranks make the same number of tries.
+    """
+    world, tp, G = dist.world_size(), cfg.tensor_parallel_size, cfg.group_size
+    tp_rank, dp_rank = dist.rank() % tp, dist.rank() // tp
+    share, per_rank = cfg.prompts_per_step // (world // tp), cfg.prompts_per_step // world
+    kept = []  # (prompt index, its G samples, its [G] rewards)
+    drawn = zero = rounds = 0
+    while True:
+        ids = stream.take(cfg.prompts_per_step)[dp_rank * share : (dp_rank + 1) * share]
+        with runtime.timed(times, "generate"):
+            new = engine.generate([task.train_prompts[i] for i in ids], n=G, max_tokens=cfg.max_new_tokens,
+                                  temperature=cfg.temperature, top_p=cfg.top_p, progress=_bars(cfg),
+                                  min_tokens=cfg.min_new_tokens,
+                                  seed=cfg.seed * 100_003 + step * 1009 + rounds * 101 + dp_rank)
+        with runtime.timed(times, "score"):
+            r = torch.tensor([task.reward_fn(task.tok.decode(s.token_ids, skip_special_tokens=True),
+                                             task.train[ids[s.prompt_idx]].answer) for s in new]).view(len(ids), G)
+        rounds, drawn, zero = rounds + 1, drawn + len(ids), zero + int((r.std(1) == 0).sum())
+        for g, i in enumerate(ids):
+            if len(kept) < share and (not cfg.dynamic_sampling or r[g].std() > 0):
+                kept.append((i, new[g * G : (g + 1) * G], r[g]))
+        if not cfg.dynamic_sampling or rounds >= cfg.dynamic_sampling_max_tries:
+            break
+        if dist.all_reduce_sum(torch.tensor([float(len(kept) < share)])).item() == 0:
+            break
+    kept = kept[tp_rank * per_rank : (tp_rank + 1) * per_rank]
+    if not kept:  # nothing informative: one zero-advantage group keeps every rank's batch non-empty
+        kept = [(ids[0], new[:G], r[0])]
+    return Groups(prompts=[task.train_prompts[i] for i, _, _ in kept],
+                  samples=[replace(s, prompt_idx=k) for k, (_, group, _) in enumerate(kept) for s in group],
+                  rewards=torch.stack([r for _, _, r in kept]),  # P < per_rank when dynamic sampling ran short
+                  drawn=drawn, zero_variance=zero, rounds=rounds)
+
+
+def batch_std(rewards: torch.Tensor, cfg: Config) -> float | None:
+    """The sample std of every reward of the step over all ranks, for --adv-scale batch (else None)."""
+    if cfg.adv_scale != "batch":
+        return None
+    r = rewards.double().flatten()
+    n, s1, s2 = dist.all_reduce_sum(torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(),
+                                                 (r * r).sum()])).tolist()
+    return max((s2 - s1 * s1 / n) / max(n - 1, 1), 0.0) ** 0.5
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Steps 5-6: the update
 
 
 @dataclass
@@ -131,21 +306,7 @@ class Batch:
     advantages: torch.Tensor  # [N]
     loss_mask: torch.Tensor  # [N, T] resp_mask, minus overlong-filtered responses
     lengths: list[int]  # prompt + response length of each row
-
-
-class PromptStream:
-    """Endless shuffled epochs over the training prompts; every rank holds the same order (same seed)."""
-
-    def __init__(self, n: int, seed: int):
-        self.n, self.rng, self.buf = n, random.Random(seed), []
-
-    def take(self, k: int) -> list[int]:
-        while len(self.buf) < k:
-            epoch = list(range(self.n))
-            self.rng.shuffle(epoch)
-            self.buf += epoch
-        out, self.buf = self.buf[:k], self.buf[k:]
-        return out
+    truncated: int  # responses that hit --max-new-tokens
 
 
 def make_batch(prompts: list[list[int]], samples: list[rollout.Sample], advantages: torch.Tensor,
@@ -166,23 +327,8 @@ def make_batch(prompts: list[list[int]], samples: list[rollout.Sample], advantag
     start = torch.tensor([len(prompts[s.prompt_idx]) for s in samples])
     truncated = torch.tensor([s.truncated for s in samples])
     loss_mask = resp_mask * (~truncated).float()[:, None] if overlong_filter else resp_mask
-    return Batch(ids, am, start, resp_mask, gen_logp, advantages, loss_mask, [len(s) for s in seqs])
-
-
-def micro_batches(lengths: list[int], rows: list[int], token_budget: int) -> list[list[int]]:
-    """Split `rows` into micro-batches whose padded size (rows x longest) stays within the token budget.
-
-    Longest first, so each micro-batch holds sequences of similar length and padding is small; a sequence longer
-    than the budget gets a micro-batch of its own. Every row lands in exactly one micro-batch.
-    """
-    order = sorted(rows, key=lambda r: -lengths[r])
-    out: list[list[int]] = []
-    for r in order:
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= token_budget:
-            out[-1].append(r)
-        else:
-            out.append([r])
-    return out
+    return Batch(ids, am, start, resp_mask, gen_logp, advantages, loss_mask, [len(s) for s in seqs],
+                 int(truncated.sum()))
 
 
 def rows_of(b: Batch, rows: list[int]) -> dict:
@@ -195,105 +341,23 @@ def rows_of(b: Batch, rows: list[int]) -> dict:
                 advantages=b.advantages[idx], loss_mask=b.loss_mask[idx, :T])
 
 
-def load_task(cfg: Config) -> tuple[list[data.Problem], list[data.Problem]]:
-    """(training problems, held-out problems) of the configured task."""
-    if cfg.task == "sum3":
-        return data.sum3_split()
-    problems = data.load_problems(cfg.data, cfg.problem_field, cfg.answer_field)
-    if cfg.val_data:
-        return problems, data.load_problems(cfg.val_data, cfg.problem_field, cfg.answer_field)
-    return data.split_problems(problems, cfg.val_fraction, cfg.seed)
+@dataclass
+class Update:
+    """What steps 5-6 report."""
+
+    sums: dict[str, float]  # grpo.policy_loss's metric sums (and loss, entropy) over this rank's micro-batches
+    grad_norm: float  # of the last minibatch, before clipping
+    old_logp: torch.Tensor  # [N, T] the trainer's logprobs of the sampled tokens before the update
+    skipped: int  # minibatch updates skipped for a non-finite loss or gradient
 
 
-def encode_prompts(cfg: Config, tok, problems: list[data.Problem], template: str | None, what: str):
-    """Prompt token ids; prompts longer than max_seq_len - max_new_tokens are dropped, counted and reported."""
-    limit = cfg.max_seq_len - cfg.max_new_tokens
-    ids = [tok(p.prompt)["input_ids"] if cfg.task == "sum3" else data.math_prompt(tok, p.prompt, template)
-           for p in problems]
-    keep = [i for i, p in enumerate(ids) if len(p) <= limit]
-    if len(keep) < len(ids):
-        dist.print0(f"dropped {len(ids) - len(keep)} of {len(ids)} {what} prompts longer than {limit} tokens "
-                    f"(--max-seq-len {cfg.max_seq_len} - --max-new-tokens {cfg.max_new_tokens})")
-    if not keep and problems:
-        raise SystemExit(f"error: every {what} prompt is longer than {limit} tokens; raise --max-seq-len")
-    return [problems[i] for i in keep], [ids[i] for i in keep]
-
-
-def score(task: str, tok, samples: list[rollout.Sample], problems: list[data.Problem]) -> list[float]:
-    fn = reward.exact_reward if task == "sum3" else reward.math_reward
-    return [fn(tok.decode(s.token_ids, skip_special_tokens=True), problems[s.prompt_idx].answer) for s in samples]
-
-
-def evaluate(engine, tok, cfg: Config, problems: list[data.Problem], prompts: list[list[int]], seed: int) -> dict:
-    """Held-out pass@1 (mean correctness over eval_samples samples per prompt) and greedy accuracy; each rank
-    evaluates its share of the prompts."""
-    tp = cfg.tensor_parallel_size  # the ranks of one tensor-parallel engine evaluate the same prompts, once
-    rank, engines = dist.rank() // tp, dist.world_size() // tp
-    mine = slice(rank * len(prompts) // engines, (rank + 1) * len(prompts) // engines)
-    problems, prompts = problems[mine], prompts[mine]
-    sampled = engine.generate(prompts, n=cfg.eval_samples, max_tokens=cfg.max_new_tokens,
-                              temperature=cfg.temperature, seed=seed, progress=_bars(cfg))
-    greedy = engine.generate(prompts, n=1, max_tokens=cfg.max_new_tokens, temperature=0.0, seed=seed)
-    s, g = score(cfg.task, tok, sampled, problems), score(cfg.task, tok, greedy, problems)
-    counted = float(dist.rank() % tp == 0)
-    tot = dist.all_reduce_sum(counted * torch.tensor([sum(s), len(s), sum(g), len(g)], dtype=torch.float64)).tolist()
-    return {"heldout_pass1": tot[0] / tot[1], "heldout_greedy": tot[2] / tot[3]} if tot[1] else {}
-
-
-def _bars(cfg: Config) -> bool:
-    """Per-phase progress bars: asked for, on rank 0 only, and not in a quiet run."""
-    return cfg.detailed_progress and not cfg.quiet and dist.is_main()
-
-
-def _logprobs(m, mb: dict, cfg: Config, device, grad: bool):
-    with torch.set_grad_enabled(grad), runtime.autocast(cfg, device):
-        return M.token_logprobs(m, mb["input_ids"].to(device), mb["attention_mask"].to(device),
-                                mb["resp_start"].to(device), mb["T"], cfg.temperature, cfg.logprob_chunk_tokens,
-                                with_entropy=grad)
-
-
-def warmup_factor(step: int, warmup_steps: int) -> float:
-    """LR factor after `step` GRPO steps: NeMo-RL's LinearLR(start_factor=0.1, end_factor=1.0,
-    total_iters=warmup_steps), then constant."""
-    if warmup_steps <= 0:
-        return 1.0
-    return 0.1 + 0.9 * min(step, warmup_steps) / warmup_steps
-
-
-def loss_config(cfg: Config) -> grpo.LossConfig:
-    return grpo.LossConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, kl_beta=cfg.kl_beta,
-                           kl_kind=cfg.kl_kind, token_level=cfg.token_level, is_correction=cfg.is_correction,
-                           is_cap=cfg.is_cap, is_min=cfg.is_min, pg=cfg.pg, kl_score_term=cfg.kl_score_term)
-
-
-def batch_std(rewards: torch.Tensor, cfg: Config) -> float | None:
-    """The sample std of every reward of the step over all ranks, for --adv-scale batch (else None)."""
-    if cfg.adv_scale != "batch":
-        return None
-    r = rewards.double().flatten()
-    n, s1, s2 = dist.all_reduce_sum(torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(),
-                                                 (r * r).sum()])).tolist()
-    return max((s2 - s1 * s1 / n) / max(n - 1, 1), 0.0) ** 0.5
-
-
-def _equal_micro_batches(b: Batch, rows: list[int], cfg: Config) -> list[list[int]]:
-    """Token-budget micro-batches, padded with empty ones so every rank runs the same number of passes.
-
-    Under FSDP each forward all-gathers parameters and each backward reduce-scatters gradients: a rank that ran
-    one pass fewer would leave the others waiting forever. An empty micro-batch runs one row with zero weight.
-    """
-    mbs = micro_batches(b.lengths, rows, cfg.micro_batch_tokens) if rows else []
-    n = int(dist.all_reduce_max(torch.tensor([len(mbs)])).item())
-    return mbs + [[]] * (n - len(mbs))
-
-
-def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo.LossConfig, device,
-                  group_offset: int = 0):
-    """Steps 5 and 6 of DESIGN.md on this rank's share of the batch: old/reference logprobs, then one AdamW step
-    per minibatch (loss over token-budget micro-batches, gradients summed over ranks by FSDP, clipped). Returns summed
-    metrics, the last gradient norm, the old logprobs [N, T], how many updates were skipped for a non-finite
-    gradient, and the seconds spent in step 5 (0 when it needs no pass of its own). group_offset: global index of
-    this rank's first group (rank * prompts per rank)."""
+def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, device, group_offset: int = 0,
+                  times: dict | None = None) -> Update:
+    """Steps 5 and 6 on this rank's share of the batch: old/reference logprobs, then one AdamW step per minibatch
+    (the loss over token-budget micro-batches, gradients summed over ranks by FSDP, clipped), then one step of the
+    LR schedule. group_offset: the global index of this rank's first group (rank * prompts per rank)."""
+    times = {} if times is None else times
+    loss_cfg = loss_config(cfg)
     N, G = len(b.lengths), cfg.group_size
     # Minibatch k holds the groups whose global index j has j % n_minibatches == k: whole groups, and the same
     # global composition at any world size (a contiguous split per rank would mix different groups). Every rank
@@ -305,28 +369,27 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
     #    so old_logp is the detached logp of the training forward itself and needs no pass of its own.
     old_logp = torch.zeros_like(b.gen_logp)  # [N, T]
     ref_logp = torch.zeros_like(b.gen_logp)  # [N, T]
-    t0 = time.time()
-    for rows in _equal_micro_batches(b, list(range(N)), cfg) if (not single or ref is not None) else []:
-        mb = rows_of(b, rows or [0])
-        for m, out in ((policy, old_logp), (ref, ref_logp)):
-            if m is not None and (m is ref or not single):
-                lp = _logprobs(m, mb, cfg, device, grad=False)[0].cpu()
-                if rows:
-                    out[rows, : mb["T"]] = lp
-    t_logprobs = time.time() - t0
+    with runtime.timed(times, "logprobs"):
+        for rows in dist.micro_batches(b.lengths, list(range(N)), cfg.micro_batch_tokens) \
+                if (not single or ref is not None) else []:
+            mb = rows_of(b, rows or [0])
+            for m, out in ((policy, old_logp), (ref, ref_logp)):
+                if m is not None and (m is ref or not single):
+                    lp = _logprobs(m, mb, cfg, device, grad=False)[0].cpu()
+                    if rows:
+                        out[rows, : mb["T"]] = lp
     # 6. minibatch updates: loss -> backward -> grad clip -> AdamW step; micro-batches sized by tokens
+    t0 = time.time()
     policy.train()
     sums: dict[str, float] = {}
     grad_norm, skipped = torch.tensor(0.0), 0
     from tqdm import tqdm
 
-    bar = tqdm(total=len(minibatches), desc="train", disable=not _bars(cfg), leave=False)
-    for rows in minibatches:
-        bar.update(1)
+    for rows in tqdm(minibatches, desc="train", disable=not _bars(cfg), leave=False):
         counts = torch.tensor([b.loss_mask[rows].sum().item(), float((b.loss_mask[rows].sum(1) > 0).sum())])
         dist.all_reduce_sum(counts)  # the global normalizer: the gradient does not depend on world size or splits
         norm = max(float(counts[0] if cfg.token_level else counts[1]), 1.0)
-        for mrows in _equal_micro_batches(b, rows, cfg):
+        for mrows in dist.micro_batches(b.lengths, rows, cfg.micro_batch_tokens):
             mb = rows_of(b, mrows or [rows[0] if rows else 0])
             logp, entropy = _logprobs(policy, mb, cfg, device, grad=True)  # [n, T]
             old = logp.detach().cpu() if single else old_logp[mrows or [0], : mb["T"]]
@@ -349,15 +412,129 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, loss_cfg: grpo
         else:  # a NaN/inf loss or gradient: this update is skipped, weights and optimizer state stay as they were
             skipped += 1
         opt.zero_grad(set_to_none=True)
-    bar.close()
     if skipped < len(minibatches):
-        sched.step()  # the LR schedule counts GRPO steps, as NeMo-RL's (a step whose every update was skipped does not count)
+        sched.step()  # the LR schedule counts GRPO steps, as NeMo-RL's (not when every update was skipped)
     policy.eval()
-    return sums, float(grad_norm), old_logp, skipped, t_logprobs
+    times["update"] = times.get("update", 0.0) + time.time() - t0
+    return Update(sums, float(grad_norm), old_logp, skipped)
+
+
+def _logprobs(m, mb: dict, cfg: Config, device, grad: bool):
+    with torch.set_grad_enabled(grad), runtime.autocast(cfg, device):
+        return M.token_logprobs(m, mb["input_ids"].to(device), mb["attention_mask"].to(device),
+                                mb["resp_start"].to(device), mb["T"], cfg.temperature, cfg.logprob_chunk_tokens,
+                                with_entropy=grad)
+
+
+def loss_config(cfg: Config) -> grpo.LossConfig:
+    return grpo.LossConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, kl_beta=cfg.kl_beta,
+                           kl_kind=cfg.kl_kind, token_level=cfg.token_level, is_correction=cfg.is_correction,
+                           is_cap=cfg.is_cap, is_min=cfg.is_min, pg=cfg.pg, kl_score_term=cfg.kl_score_term)
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """LR factor after `step` GRPO steps: NeMo-RL's LinearLR(start_factor=0.1, end_factor=1.0,
+    total_iters=warmup_steps), then constant."""
+    if warmup_steps <= 0:
+        return 1.0
+    return 0.1 + 0.9 * min(step, warmup_steps) / warmup_steps
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The loop
+# Step 8: metrics
+
+
+def step_metrics(step: int, groups: Groups, b: Batch, adv: torch.Tensor, upd: Update, sched, times: dict) -> dict:
+    """One metrics.jsonl row: sums over every rank, then the means NeMo-RL logs under the same names."""
+    mm = grpo.mismatch_metrics(b.gen_logp, upd.old_logp, b.resp_mask)
+    a = adv.flatten().double()
+    local = {"reward": groups.rewards.sum(), "seqs": groups.rewards.numel(), "resp_tokens": b.resp_mask.sum(),
+             "truncated": b.truncated, "groups": groups.drawn, "zero_var_groups": groups.zero_variance,
+             "adv": a.sum(), "adv_sq": (a * a).sum(), **mm, **upd.sums}
+    keys = sorted(local)
+    tot = dict(zip(keys, dist.all_reduce_sum(torch.tensor([float(local[k]) for k in keys], dtype=torch.float64)).tolist()))
+    n_seq, n_tok, n_loss_tok = tot["seqs"], max(tot["resp_tokens"], 1.0), max(tot.get("tokens", 0.0), 1.0)
+    adv_mean = tot["adv"] / n_seq
+    return dict(
+        step=step, reward_mean=tot["reward"] / n_seq, response_len_mean=tot["resp_tokens"] / n_seq, seqs=int(n_seq),
+        loss=tot.get("loss", 0.0), grad_norm=upd.grad_norm, clip_frac_low=tot.get("clip_low", 0.0) / n_loss_tok,
+        clip_frac_high=tot.get("clip_high", 0.0) / n_loss_tok, kl=tot.get("kl", 0.0) / n_loss_tok,
+        entropy=tot.get("entropy", 0.0) / n_tok, token_mult_prob_error=tot["token_mult_prob_error"] / n_tok,
+        gen_kl_error=tot["gen_kl_error"] / n_tok, policy_kl_error=tot["policy_kl_error"] / n_tok,
+        js_divergence_error=tot["js_divergence_error"] / n_tok, truncated_frac=tot["truncated"] / n_seq,
+        is_oob_frac=tot.get("is_oob", 0.0) / max(tot.get("is_units", 0.0), 1.0),
+        zero_var_group_frac=tot["zero_var_groups"] / tot["groups"], adv_mean=adv_mean, skipped_updates=upd.skipped,
+        adv_std=max(tot["adv_sq"] / n_seq - adv_mean**2, 0.0) ** 0.5, generation_rounds=groups.rounds,
+        lr=sched.get_last_lr()[0], **{f"time_{k}": v for k, v in times.items()},
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Set-up: flags, task, engine
+
+
+@dataclass
+class Task:
+    """The run's problems as the loop uses them."""
+
+    path: str  # the start weights (--init-from, or --model resolved)
+    tok: object  # the model's tokenizer
+    reward_fn: object  # reward.exact_reward (sum3) or reward.math_reward
+    train: list[data.Problem]
+    train_prompts: list[list[int]]  # token ids of each training prompt
+    heldout: list[data.Problem]  # the first --eval-prompts held-out problems that fit
+    heldout_prompts: list[list[int]]
+
+
+def load_task(cfg: Config) -> Task:
+    """Problems (bad rows stop the run before any model loads), the tokenizer, and every prompt's token ids."""
+    if cfg.task == "sum3":
+        train_set, heldout = data.sum3_split()
+    else:
+        train_set = data.load_problems(cfg.data, cfg.problem_field, cfg.answer_field)
+        heldout = data.load_problems(cfg.val_data, cfg.problem_field, cfg.answer_field) if cfg.val_data else None
+        if heldout is None:
+            train_set, heldout = data.split(train_set, cfg.val_fraction, cfg.seed)
+    template = data.read_template(cfg.prompt_template)
+    path = model_path(cfg)
+    tok = M.load_tokenizer(path, cfg.trust_remote_code)
+    train_set, train_prompts = encode_prompts(cfg, tok, train_set, template, "training")
+    heldout, heldout_prompts = encode_prompts(cfg, tok, heldout[: cfg.eval_prompts], template, "held-out")
+    reward_fn = reward.exact_reward if cfg.task == "sum3" else reward.math_reward
+    return Task(path, tok, reward_fn, train_set, train_prompts, heldout, heldout_prompts)
+
+
+def model_path(cfg: Config) -> str:
+    """Where the run's starting weights are: --init-from, else --model (a built-in base is built on first use)."""
+    return cfg.init_from or M.resolve(cfg.model)
+
+
+def encode_prompts(cfg: Config, tok, problems: list[data.Problem], template: str | None, what: str):
+    """Prompt token ids; prompts longer than max_seq_len - max_new_tokens are dropped, counted and reported."""
+    limit = cfg.max_seq_len - cfg.max_new_tokens
+    ids = [tok(p.prompt)["input_ids"] if cfg.task == "sum3" else data.math_prompt(tok, p.prompt, template)
+           for p in problems]
+    keep = [i for i, p in enumerate(ids) if len(p) <= limit]
+    if len(keep) < len(ids):
+        dist.print0(f"dropped {len(ids) - len(keep)} of {len(ids)} {what} prompts longer than {limit} tokens "
+                    f"(--max-seq-len {cfg.max_seq_len} - --max-new-tokens {cfg.max_new_tokens})")
+    if not keep and problems:
+        raise SystemExit(f"error: every {what} prompt is longer than {limit} tokens; raise --max-seq-len")
+    return [problems[i] for i in keep], [ids[i] for i in keep]
+
+
+def make_engine(cfg: Config, path: str, dtype: torch.dtype, device) -> rollout.Engine:
+    if cfg.engine == "hf":
+        return rollout.HFEngine(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, device=device)
+    tp = cfg.tensor_parallel_size
+    return rollout.VLLMEngine(path, max_model_len=cfg.max_seq_len, seed=cfg.seed + dist.rank() // tp,
+                              dtype=str(dtype).removeprefix("torch."), external_launcher=dist.world_size() > 1,
+                              tensor_parallel_size=tp, trust_remote_code=cfg.trust_remote_code)
+
+
+def _bars(cfg: Config) -> bool:
+    """Per-phase progress bars: asked for, on rank 0 only, and not in a quiet run."""
+    return cfg.detailed_progress and not cfg.quiet and dist.is_main()
 
 
 def validate(cfg: Config, world: int) -> None:
@@ -397,205 +574,6 @@ def validate(cfg: Config, world: int) -> None:
         (0.0 <= cfg.val_fraction < 1.0, f"--val-fraction {cfg.val_fraction}: must be in [0, 1)"),
     ]
     runtime.check(checks + runtime.run_checks(cfg))
-
-
-def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
-    """Run GRPO; `engine` lets a caller (the tests) bring an engine that already holds the base model's weights."""
-    rank, world = dist.init(cfg.dist_timeout_s)
-    validate(cfg, world)
-    device, bf16 = runtime.setup_process(cfg)
-    engine_dtype = torch.bfloat16 if bf16 else torch.float32
-    out = Path(cfg.out_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    if dist.is_main():
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-
-    train_set, heldout = load_task(cfg)  # bad data stops the run here, before any model is loaded
-    path = model_path(cfg)
-    tok = M.load_tokenizer(path, cfg.trust_remote_code)
-    template = data.read_template(cfg.prompt_template)
-    train_set, train_prompts = encode_prompts(cfg, tok, train_set, template, "training")
-    heldout, heldout_prompts = encode_prompts(cfg, tok, heldout[: cfg.eval_prompts], template, "held-out")
-    policy = runtime.load_trainable(path, device, bf16, cfg.activation_checkpointing, cfg.trust_remote_code)
-    ref = None
-    if cfg.kl_beta > 0:  # the frozen initial model, sharded like the policy, only when the KL term is on
-        ref = runtime.load_trainable(path, device, bf16, False, cfg.trust_remote_code).eval().requires_grad_(False)
-    if engine is None and cfg.engine == "vllm":
-        engine = rollout.VLLMEngine(path, max_model_len=cfg.max_seq_len, seed=cfg.seed + rank // cfg.tensor_parallel_size,
-                                    dtype=str(engine_dtype).removeprefix("torch."), external_launcher=world > 1,
-                                    tensor_parallel_size=cfg.tensor_parallel_size,
-                                    trust_remote_code=cfg.trust_remote_code)
-    elif engine is None:
-        engine = rollout.HFEngine(path, dtype=engine_dtype, trust_remote_code=cfg.trust_remote_code, device=device)
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_factor(s, cfg.warmup_steps))
-    loss_cfg = loss_config(cfg)
-    per_rank, G = cfg.prompts_per_step // world, cfg.group_size  # groups each rank trains on
-    tp = cfg.tensor_parallel_size
-    tp_rank, dp_rank, share = rank % tp, rank // tp, cfg.prompts_per_step // (world // tp)  # share: per engine
-    stream = PromptStream(len(train_set), cfg.seed)
-
-    from tqdm import tqdm
-
-    # resume from the newest complete checkpoint of this run folder, if there is one (and --resume is on)
-    log = RunLog(out, cfg.tensorboard, cfg.wandb_project, asdict(cfg)) if dist.is_main() else None
-    resumed = runtime.resume(out / "checkpoints", policy, opt, sched, stream) if cfg.resume else None
-    if resumed is not None:
-        ckpt, start = resumed
-        engine.load_weights(dist.full_weights(policy.lm, engine_dtype))  # the engine samples from resumed weights
-        history = log.start(keep_until=start) if log else []
-        dist.print0(f"resumed from {ckpt} at step {start}")
-    else:
-        start = 0
-        first = evaluate(engine, tok, cfg, heldout, heldout_prompts, seed=cfg.seed) if cfg.eval_every else {}
-        history = [dict(step=0, **first)]
-        if log:
-            log.start(keep_until=None)
-            log.write(history[0])
-    last_eval = next((r for r in reversed(history) if "heldout_pass1" in r), {})
-    bar = tqdm(range(start + 1, cfg.steps + 1), disable=cfg.quiet or not dist.is_main(), desc="GRPO",
-               dynamic_ncols=True)
-    t_start, bad_steps, stop = time.time(), 0, False
-    ctrl_c = runtime.CtrlC(install=__name__ == "__main__")  # only a command-line run owns the process's SIGINT
-
-    for step in bar:
-        t0 = time.time()
-        # 1-3. prompts -> generate G responses each -> score. Each engine takes its share of the step's prompts
-        #      (the ranks of a tensor-parallel engine send it identical requests, then each keeps its part) and a
-        #      prompt's G samples stay on one rank. With dynamic sampling (DAPO), groups whose rewards are all
-        #      equal (no signal) are dropped and more prompts are drawn until every engine has its share of
-        #      informative groups or the tries run out; all ranks make the same number of tries.
-        kept = []  # (prompt index, its G samples, its [G] rewards)
-        t_gen = t_score = 0.0
-        n_groups = n_zero = tries = 0
-        while True:
-            ids = stream.take(cfg.prompts_per_step)[dp_rank * share : (dp_rank + 1) * share]
-            t = time.time()
-            new = engine.generate([train_prompts[i] for i in ids], n=G, max_tokens=cfg.max_new_tokens,
-                                  temperature=cfg.temperature, top_p=cfg.top_p, progress=_bars(cfg),
-                                  min_tokens=cfg.min_new_tokens, seed=cfg.seed * 100_003 + step * 1009 + tries * 101 + dp_rank)
-            t_gen += time.time() - t
-            t = time.time()
-            r = torch.tensor(score(cfg.task, tok, new, [train_set[i] for i in ids])).view(len(ids), G)  # [P, G]
-            t_score += time.time() - t
-            tries, n_groups, n_zero = tries + 1, n_groups + len(ids), n_zero + int((r.std(1) == 0).sum())
-            for g, i in enumerate(ids):
-                if len(kept) < share and (not cfg.dynamic_sampling or r[g].std() > 0):
-                    kept.append((i, new[g * G : (g + 1) * G], r[g]))
-            if not cfg.dynamic_sampling or tries >= cfg.dynamic_sampling_max_tries:
-                break
-            if dist.all_reduce_sum(torch.tensor([float(len(kept) < share)])).item() == 0:
-                break
-        engine.sleep()  # on GPU the trainer gets the KV cache's memory until the refit wakes the engine
-        kept = kept[tp_rank * per_rank : (tp_rank + 1) * per_rank]
-        if not kept:  # nothing informative: one zero-advantage group keeps every rank's batch non-empty
-            kept = [(ids[0], new[:G], r[0])]
-        problems, prompts = [train_set[i] for i, _, _ in kept], [train_prompts[i] for i, _, _ in kept]
-        samples = [replace(s, prompt_idx=k) for k, (_, group, _) in enumerate(kept) for s in group]
-        rewards = torch.stack([r for _, _, r in kept])  # [P, G]; P < per_rank when dynamic sampling ran short
-        t1 = t0 + t_gen
-        t2 = t1 + t_score
-        # 4. advantages
-        adv = grpo.group_advantages(rewards, cfg.leave_one_out, cfg.adv_scale, batch_std=batch_std(rewards, cfg))
-        b = make_batch(prompts, samples, adv.flatten(), cfg.overlong_filter, tok.pad_token_id)
-        t_batch = time.time()
-        # 5-6. old (and reference) logprobs, then minibatch updates
-        sums, grad_norm, old_logp, skipped, t_logprobs = update_policy(policy, ref, opt, sched, b, cfg, loss_cfg, device,
-                                                           rank * per_rank)
-        bad_steps = bad_steps + 1 if skipped else 0
-        if bad_steps >= cfg.max_skipped_steps:
-            raise SystemExit(f"error: step {step}: non-finite loss or gradient for {bad_steps} steps in a row "
-                             f"(--max-skipped-steps {cfg.max_skipped_steps}); last checkpoint in {out / 'checkpoints'}")
-        t3 = time.time()
-        # 7. refit: the engine samples the next step from the new weights
-        engine.load_weights(dist.full_weights(policy.lm, engine_dtype))
-        t4 = time.time()
-        # 8. metrics (reduced over ranks) and held-out evaluation
-        mm = grpo.mismatch_metrics(b.gen_logp, old_logp, b.resp_mask)
-        a = adv.flatten().double()
-        local = {"reward": rewards.sum(), "seqs": rewards.numel(), "resp_tokens": b.resp_mask.sum(),
-                 "truncated": sum(s.truncated for s in samples), "groups": n_groups, "zero_var_groups": n_zero,
-                 "adv": a.sum(), "adv_sq": (a * a).sum(), **mm, **sums}
-        keys = sorted(local)
-        tot = dict(zip(keys, dist.all_reduce_sum(torch.tensor([float(local[k]) for k in keys], dtype=torch.float64)).tolist()))
-        n_seq, n_tok, n_loss_tok = tot["seqs"], max(tot["resp_tokens"], 1.0), max(tot.get("tokens", 0.0), 1.0)
-        adv_mean = tot["adv"] / n_seq
-        row = dict(
-            step=step, reward_mean=tot["reward"] / n_seq, response_len_mean=tot["resp_tokens"] / n_seq,
-            loss=tot.get("loss", 0.0), grad_norm=float(grad_norm), clip_frac_low=tot.get("clip_low", 0.0) / n_loss_tok,
-            clip_frac_high=tot.get("clip_high", 0.0) / n_loss_tok, kl=tot.get("kl", 0.0) / n_loss_tok,
-            entropy=tot.get("entropy", 0.0) / n_tok, token_mult_prob_error=tot["token_mult_prob_error"] / n_tok,
-            gen_kl_error=tot["gen_kl_error"] / n_tok, policy_kl_error=tot["policy_kl_error"] / n_tok,
-            js_divergence_error=tot["js_divergence_error"] / n_tok, truncated_frac=tot["truncated"] / n_seq,
-            is_oob_frac=tot.get("is_oob", 0.0) / max(tot.get("is_units", 0.0), 1.0),
-            zero_var_group_frac=tot["zero_var_groups"] / tot["groups"], adv_mean=adv_mean, skipped_updates=skipped,
-            adv_std=max(tot["adv_sq"] / n_seq - adv_mean**2, 0.0) ** 0.5, generation_rounds=tries,
-            lr=sched.get_last_lr()[0], time_generate=t1 - t0, time_score=t2 - t1, time_logprobs=t_logprobs,
-            time_update=t3 - t_batch - t_logprobs, time_refit=t4 - t3,
-        )
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-            last_eval = evaluate(engine, tok, cfg, heldout, heldout_prompts, seed=cfg.seed + step)
-            row.update(last_eval)
-        row["peak_mem_gib"] = runtime.peak_memory_gib(device)
-        row["time_step"] = time.time() - t0
-        row["tokens_per_s"] = tot["resp_tokens"] / row["time_step"]
-        row["elapsed"] = time.time() - t_start
-        history.append(row)
-        if log:
-            log.write(row)
-            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", heldout=f"{last_eval.get('heldout_pass1', 0):.2f}",
-                            mpe=f"{row['token_mult_prob_error']:.3f}")
-        # Ctrl-C (on any rank) ends the run after this step, with a checkpoint to resume from
-        stop = dist.all_reduce_max(torch.tensor([float(ctrl_c.is_set())])).item() > 0
-        if stop or (cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps)):
-            saved = runtime.save_step(out, step, policy, opt, sched, stream, {"config": asdict(cfg)}, cfg.keep_checkpoints)
-        if stop:
-            break
-    bar.close()
-    if log:
-        log.close()
-        if cfg.plot:
-            plot(out)
-    if ctrl_c.is_set() or stop:
-        dist.print0(f"interrupted after step {step}: checkpoint {saved}; the same command resumes from it")
-        dist.close()
-        raise SystemExit(130)
-
-    if cfg.save_final:
-        runtime.save_hf(policy.lm, tok, out / "final")
-    summary = dict(out_dir=str(out), minutes=(time.time() - t_start) / 60,
-                   first=history[0], last={k: v for k, v in history[-1].items() if k.startswith("heldout")})
-    dist.print0(json.dumps(summary))
-    dist.close()
-    return dict(history=history, out_dir=str(out))
-
-
-# DeepScaleR's three stages as NeMo-RL ran them on 8 GPUs (DESIGN.md). Each stage starts from the previous
-# one's final checkpoint (--init-from). Responses get what the prompt (at most 1024 tokens) leaves.
-_DEEPSCALER = dict(task="math", prompts_per_step=128, group_size=8, minibatch_size=64, weight_decay=0.01,
-                   warmup_steps=50, grad_clip=1.0, temperature=1.0, eps_low=0.2, activation_checkpointing=True,
-                   eval_every=10, eval_samples=16, detailed_progress=True, leave_one_out=True)
-STAGES = {
-    1: dict(_DEEPSCALER, max_seq_len=8192, max_new_tokens=8192 - 1024, lr=2e-6, kl_beta=0.0, eps_high=0.2, steps=240),
-    2: dict(_DEEPSCALER, max_seq_len=16384, max_new_tokens=16384 - 1024, lr=2e-6, kl_beta=1e-3, eps_high=0.28, steps=290),
-    3: dict(_DEEPSCALER, max_seq_len=24576, max_new_tokens=24576 - 1024, lr=5e-7, kl_beta=1e-4, eps_high=0.28, steps=50),
-}
-STAGES[4] = dict(STAGES[1], pg="gspo", token_level=False)  # NeMo-RL's grpo-gspo-deepscaler-1.5b-8K: stage 1 + GSPO
-
-
-def parse_args(argv: list[str]) -> Config:
-    """The command line: `--stage N` sets the preset's values as defaults, and every other flag overrides them."""
-    import tyro
-
-    stage = 0
-    for i, a in enumerate(argv):
-        value = a.split("=", 1)[1] if a.startswith("--stage=") else argv[i + 1] if a == "--stage" and i + 1 < len(argv) else None
-        if value is not None:
-            if value not in ("0", "1", "2", "3", "4"):
-                raise SystemExit(f"error: --stage {value}: unknown stage (use 1, 2, 3, or 4 for GSPO)")
-            stage = int(value)
-    default = Config(stage=stage, **STAGES[stage]) if stage else Config()
-    return tyro.cli(Config, default=default, args=argv)
 
 
 def main(argv: list[str]) -> None:

@@ -68,8 +68,7 @@ def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: 
     else:
         opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    loss_cfg = grpo.LossConfig(eps_high=cfg.eps_high, kl_beta=cfg.kl_beta, pg=cfg.pg, token_level=cfg.token_level)
-    train.update_policy(policy, ref, opt, sched, b, cfg, loss_cfg, cpu, share.start)
+    train.update_policy(policy, ref, opt, sched, b, cfg, cpu, share.start)
     state = dist.full_state_dict(policy.lm)
     if dist.is_main():
         torch.save({k: v.clone() for k, v in state.items()}, out)

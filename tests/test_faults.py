@@ -133,7 +133,6 @@ def test_problem_files_with_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_pa
 
 
 def test_bad_flag_exits_2_with_one_line_before_any_engine_or_model(tmp_path):
-    t = time.time()
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--group-size", "1", "--out-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
@@ -166,15 +165,14 @@ def test_nan_in_the_loss_skips_the_update_and_keeps_the_weights(tiny_path, tok):
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
-    _, grad_norm, _, skipped, _ = train.update_policy(policy, None, opt, sched, b, cfg, grpo.LossConfig(),
-                                                   torch.device("cpu"))
-    assert skipped == 1 and not torch.isfinite(torch.tensor(grad_norm))
+    upd = train.update_policy(policy, None, opt, sched, b, cfg, torch.device("cpu"))
+    assert upd.skipped == 1 and not torch.isfinite(torch.tensor(upd.grad_norm))
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
     assert not opt.state and sched.last_epoch == 0  # AdamW's moments and the schedule did not move
     # the same batch without the NaN does update
     b.advantages[3] = 0.5
-    _, _, _, skipped, _ = train.update_policy(policy, None, opt, sched, b, cfg, grpo.LossConfig(), torch.device("cpu"))
-    assert skipped == 0 and any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())
+    upd = train.update_policy(policy, None, opt, sched, b, cfg, torch.device("cpu"))
+    assert upd.skipped == 0 and any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())
 
 
 LATEX_BITS = ["\\boxed{", "\\fbox{", "}", "{", "\\frac", "\\sqrt", "^", "_", "\\pi", "\\infty", "\\left(", "\\right)",

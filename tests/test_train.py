@@ -8,6 +8,7 @@ import pytest
 
 from transformers import AutoModelForCausalLM
 
+import distributed
 import train
 
 METRIC_KEYS = {"reward_mean", "response_len_mean", "loss", "clip_frac_low", "clip_frac_high", "kl", "entropy",
@@ -45,7 +46,7 @@ def test_micro_batches_cover_every_row_once_within_budget():
     lengths = [rng.randint(1, 300) for _ in range(200)]
     rows = list(range(0, 200, 2))
     for budget in (1, 64, 500, 4096, 10**6):
-        mbs = train.micro_batches(lengths, rows, budget)
+        mbs = distributed.micro_batches(lengths, rows, budget)
         flat = [r for mb in mbs for r in mb]
         assert sorted(flat) == rows
         for mb in mbs:
