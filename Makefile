@@ -16,7 +16,7 @@ dpo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(ARGS)
 
-# the step-time table of README (bench.py); TRL is only needed for its comparison row
+# the step-time table of docs/speed.md (bench.py); TRL is only needed for its comparison row
 bench: $(STAMP)
 	$(PY) -m pip install -q trl==1.16.0 accelerate==1.15.0
 	$(PY) bench.py $(ARGS)

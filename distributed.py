@@ -26,6 +26,8 @@ import datetime
 import json
 import os
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -54,11 +56,9 @@ def reuse_freed_memory() -> bool:
 
     Why: on CPU PyTorch has no caching allocator. Every activation is a fresh malloc, glibc serves the large ones
     with mmap and frees them with munmap, so every step page-faults all of its activation memory in again, each
-    4 KiB page zeroed by the kernel. Measured on 2 cores: 45k page faults per update of the tiny model (about a
-    tenth of it), 0.45-0.66M per micro-batch of the 25M one (about a tenth of it too). With no mmap and no trimming
-    the heap grows to the peak once and every later step reuses it: peak resident memory grows by ~2% (bench.py:
-    0.93 -> 0.95 GiB tiny, 6.57 -> 6.69 GiB at 25M), and it is not given back between steps. Process-wide; a no-op
-    (False) where libc is not glibc.
+    4 KiB page zeroed by the kernel (about a tenth of an update's time: docs/speed.md). With no mmap and no
+    trimming the heap grows to the peak once and every later step reuses it; the cost is a slightly higher peak,
+    not given back between steps. Process-wide; a no-op (False) where libc is not glibc.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -235,7 +235,8 @@ def save_checkpoint(folder: Path, step: int, model, optimizer, meta: dict, rank_
         tmp.mkdir(parents=True)
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not _OURS)
+    with _single_process_is_meant():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not _OURS)
     torch.save(rank_state, tmp / f"rank{rank()}.pt")
     barrier()
     if is_main():
@@ -251,6 +252,15 @@ def save_checkpoint(folder: Path, step: int, model, optimizer, meta: dict, rank_
     return final
 
 
+@contextmanager
+def _single_process_is_meant():
+    """torch.distributed.checkpoint warns "torch.distributed is disabled ..." on every single-process save and load,
+    even when asked for one (no_dist=True): a line that tells a user nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
     """Loads the shards into `model` (and `optimizer`, unless None) in place; returns (meta, this rank's state)."""
     import torch.distributed.checkpoint as dcp
@@ -259,12 +269,14 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
 
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(path), no_dist=not _OURS)
+        with _single_process_is_meant():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not _OURS)
         set_model_state_dict(model, state["model"])
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path), no_dist=not _OURS)
+        with _single_process_is_meant():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not _OURS)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     meta = json.loads((Path(path) / "meta.json").read_text())
     return meta, torch.load(Path(path) / f"rank{rank()}.pt", weights_only=False)

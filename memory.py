@@ -1,12 +1,12 @@
 """Memory per GPU for GRPO training, estimated on paper from a model's config: `python memory.py [--config DIR]`.
 
-What it does: prints a markdown table (the one in README) of the memory one rank needs at 8K, 16K and 24K
+What it does: prints a markdown table (the one in docs/distributed.md) of the memory one rank needs at 8K, 16K and 24K
 tokens, for FSDP2 over N GPUs: float32 master weights, gradients and AdamW moments (sharded), bfloat16 copies
 gathered for compute, activations of one micro-batch with and without activation checkpointing, the chunked
 LM-head logits, and vLLM's share (its weights and KV cache for the rollouts). The default config is
 DeepSeek-R1-Distill-Qwen-1.5B's (Qwen2 architecture, untied embeddings: 1.78B parameters).
 
-What it does not do: measure. These are estimates; a GPU run records what they meet (see README).
+What it does not do: measure. These are estimates; a GPU run records what they meet (docs/distributed.md).
 Activation bytes per token per layer (bf16, flash attention so no S^2 term; SwiGLU MLP):
   attention: layer input, norm output, Q, K, V, attention output  -> 2 * (4H + 2 * kv_dim) bytes
   MLP:       norm input and output, gate, up, SiLU(gate), product  -> 2 * (2H + 4I) bytes

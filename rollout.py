@@ -76,6 +76,9 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        # its stub warns "CPU backend doesn't allow to use torch.set_num_threads" at each call during start-up; the
+        # real one is back right after (below), so the warning would only puzzle a user
+        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(lambda r: "set_num_threads" not in r.getMessage())
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # stops vLLM from dropping torch to one thread
         from vllm import LLM
 

@@ -46,7 +46,7 @@ class Config:
     tensor_parallel_size: int = 1  # vLLM tensor parallelism over this many consecutive ranks (one engine per group)
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
     # compute and engine dtype (weights and optimizer stay float32); auto: bfloat16 on GPU, float32 on CPU, where
-    # bfloat16 pays only on CPUs with bf16 instructions (avx512_bf16, AMX): see README, Engines
+    # bfloat16 pays only on CPUs with bf16 instructions (avx512_bf16, AMX): see docs/engines.md
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long sequences)
     dist_timeout_s: int = 600  # a collective waiting longer than this fails the run instead of hanging
@@ -116,8 +116,8 @@ class Config:
     detailed_progress: bool = False  # also bars for each step's rollout, training and evaluation (long GPU steps)
 
 
-# DeepScaleR's three stages as NeMo-RL ran them on 8 GPUs (README: The recipe). Each stage starts from the previous
-# one's final checkpoint (--init-from). Responses get what the prompt (at most 1024 tokens) leaves.
+# DeepScaleR's three stages as NeMo-RL ran them on 8 GPUs (README: Math, the DeepScaleR recipe). Each stage starts
+# from the previous one's final checkpoint (--init-from). Responses get what the prompt (at most 1024 tokens) leaves.
 _DEEPSCALER = dict(task="math", prompts_per_step=128, group_size=8, minibatch_size=64, weight_decay=0.01,
                    warmup_steps=50, grad_clip=1.0, temperature=1.0, eps_low=0.2, activation_checkpointing=True,
                    eval_every=10, eval_samples=16, detailed_progress=True, leave_one_out=True)
