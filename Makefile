@@ -6,7 +6,7 @@ REQ := $(if $(GPU),requirements.txt,requirements-cpu.txt)
 STAMP := .venv/.installed-$(basename $(REQ))
 ARGS ?=
 
-.PHONY: demo dpo test bench clean
+.PHONY: demo dpo test test-fast bench clean
 demo: $(STAMP)
 	$(PY) train.py $(ARGS)
 
@@ -15,6 +15,10 @@ dpo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(ARGS)
+
+# the tests that need no vLLM engine, torchrun or training process (grpo.py, reward.py, data.py, flags): seconds
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests $(ARGS)
 
 # the step-time table of docs/speed.md (bench.py); TRL is only needed for its comparison row
 bench: $(STAMP)

@@ -46,3 +46,20 @@ def vllm_engine(_vllm, tiny_path):
 
     _vllm.load_weights(distributed.full_weights(model.load_model(tiny_path)))
     return _vllm
+
+
+# `make test-fast` runs `pytest -m "not slow"`: what someone changing grpo.py, reward.py or data.py wants in seconds.
+# Slow: whatever starts a vLLM engine, torchrun, or a training run in a process of its own.
+SLOW_MODULES = {"test_bench", "test_checkpoint", "test_distributed", "test_dpo", "test_recipe", "test_rollout",
+                "test_train"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts a vLLM engine, torchrun or a training process (make test-fast "
+                                       "leaves it out)")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__ in SLOW_MODULES or {"vllm_engine", "_vllm"} & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)

@@ -143,7 +143,7 @@ def test_bad_data_on_the_command_line_exits_2_before_any_model_loads(tmp_path):
                         "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     # --model names a folder that does not exist: the flag check comes first, before the data
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"error: --model {tmp_path / 'absent'}: no such folder, and not a hub name like org/name"]
+        f"error: --model {tmp_path / 'absent'}: no such folder, and not a hub name like org/name (built-in: tiny)"]
     r = subprocess.run([sys.executable, str(HERE.parent / "dpo.py"), "--data", path, "--chosen-field", "better",
                         "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == \
@@ -290,6 +290,6 @@ def test_resumed_run_equals_uninterrupted_run_and_exports(run30, tmp_path):
     a, b = load_file(Path(cfg.out_dir) / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     # a saved step exports to the same HF weights as the final folder
-    dpo.export_hf(str(Path(cfg.out_dir) / "checkpoints" / "step_000030"), str(tmp_path / "export"))
+    dpo.main(["export", str(Path(cfg.out_dir) / "checkpoints" / "step_000030"), str(tmp_path / "export")])
     c = load_file(tmp_path / "export" / "model.safetensors")
     assert c.keys() == a.keys() and all(torch.equal(a[k], c[k]) for k in a)

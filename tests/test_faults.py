@@ -105,6 +105,7 @@ def test_every_entry_point_checks_its_flags_and_inputs_before_loading_anything(t
     assert "building" not in capsys.readouterr().out  # no model was built or loaded for any of them
 
 
+@pytest.mark.slow  # a process of its own
 def test_eval_aime_exits_2_with_one_line_before_any_engine(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "eval_aime.py"), "--model", "/no/such/folder", "--data", "x.jsonl"],
                        capture_output=True, text=True, timeout=120)
@@ -132,6 +133,7 @@ def test_problem_files_with_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_pa
         data.read_template(str(tmp_path / "same.txt"))
 
 
+@pytest.mark.slow  # a process of its own
 def test_bad_flag_exits_2_with_one_line_before_any_engine_or_model(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--group-size", "1", "--out-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
@@ -144,6 +146,7 @@ def test_bad_flag_exits_2_with_one_line_before_any_engine_or_model(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().startswith("error: --stage 7: unknown stage")
 
 
+@pytest.mark.slow  # a process of its own
 def test_bad_data_file_exits_2_naming_file_and_row(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n')
@@ -180,16 +183,18 @@ LATEX_BITS = ["\\boxed{", "\\fbox{", "}", "{", "\\frac", "\\sqrt", "^", "_", "\\
 latexish = st.lists(st.one_of(st.sampled_from(LATEX_BITS), st.text(max_size=8)), max_size=40).map("".join)
 
 
-@settings(max_examples=300, deadline=1000, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(response=st.one_of(st.text(max_size=200), latexish), gold=st.sampled_from(["1", "\\frac{1}{2}", "42", "x^2"]))
-def test_fuzzed_reward_never_raises_and_is_fast(response, gold):
+def test_fuzzed_reward_never_raises_and_stays_within_its_time_limits(response, gold):
+    from test_reward import TIME_LIMIT_S
+
     t = time.time()
     assert reward.math_reward(response, gold) in (0.0, 1.0)
     assert reward.exact_reward(response, gold) in (0.0, 1.0)
-    assert time.time() - t < 1.0
+    assert time.time() - t < TIME_LIMIT_S
 
 
-@settings(max_examples=150, deadline=1000)
+@settings(max_examples=150, deadline=None)
 @given(response=latexish)
 def test_model_output_never_reaches_eval_exec_or_sympify(response, monkeypatch_module):
     marker = "zq" + "9" * 5  # a token that could only come from the response
@@ -232,6 +237,7 @@ def test_trust_remote_code_stays_off_and_says_so(tmp_path):
     assert "--trust-remote-code" in str(e.value) and str(tmp_path) in str(e.value)
 
 
+@pytest.mark.slow  # a process of its own
 def test_ctrl_c_writes_a_checkpoint_that_resumes(tmp_path, tiny_path):
     out = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train.py"), "--steps", "200", "--checkpoint-every", "0", "--eval-every", "0",
