@@ -201,3 +201,23 @@ def test_a_rank_killed_mid_run_then_the_same_command_resumes_to_the_same_end(one
     log = finished(launch(tmp_path, port + 1))  # the same command
     assert "resumed from" in log
     assert same(outcome(tmp_path), one_node_of_two)
+
+
+def test_eval_aime_under_torchrun_writes_what_one_process_writes(tmp_path, tiny_path):
+    fix = HERE / "fixtures"
+    flags = ["--model", "tiny", "--data", str(fix / "sum3_eval.jsonl"), "--prompt-template", str(fix / "plain_template.txt"),
+             "--reward", "exact", "--k", "4", "--temperature", "1.0", "--top-p", "1.0", "--max-tokens", "8"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    one = subprocess.run([sys.executable, str(HERE.parent / "eval_aime.py"), *flags, "--out", str(tmp_path / "one.jsonl")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(30100 + os.getpid() % 100),
+                          str(HERE.parent / "eval_aime.py"), *flags, "--out", str(tmp_path / "two.jsonl")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    rows = {n: [json.loads(line) for line in open(tmp_path / f"{n}.jsonl")] for n in ("one", "two")}
+    assert len(rows["one"]) == 24 * 4 and rows["two"] == rows["one"]  # every sample, in the same order
+    summary = {n: json.loads((tmp_path / f"{n}.summary.json").read_text()) for n in ("one", "two")}
+    assert {k: v for k, v in summary["two"].items() if k != "config"} == \
+           {k: v for k, v in summary["one"].items() if k != "config"}
+    assert "2 engines" in two.stdout and "pass@1" in two.stdout
