@@ -21,7 +21,7 @@ from pathlib import Path
 
 @dataclass
 class EvalConfig:
-    model: str  # HF path or hub name (e.g. a run's <out_dir>/final)
+    model: str  # HF path or hub name (e.g. a run's <out_dir>/final), or a built-in base: tiny, tiny-math
     data: str  # problems: .jsonl / .json / .parquet, or an HF dataset name[:split]
     out: str = "eval_samples.jsonl"  # every sample, one JSON line each
     problem_field: str = "problem"  # field holding the problem text
@@ -65,17 +65,19 @@ def main(cfg: EvalConfig, engine=None) -> dict:
     import model
     import reward
     import rollout
+    import train
 
     if cfg.reward not in ("math", "exact"):
         raise SystemExit(f"error: --reward {cfg.reward}: use math or exact")
     if cfg.prompt_template and not Path(cfg.prompt_template).is_file():
         raise SystemExit(f"error: --prompt-template {cfg.prompt_template}: no such file")
     problems = data.load_problems(cfg.data, cfg.problem_field, cfg.answer_field)  # bad rows stop here
-    tok = model.load_tokenizer(cfg.model, cfg.trust_remote_code)
+    path = train.resolve_model(cfg.model)  # a built-in base is built on first use, as in train.py
+    tok = model.load_tokenizer(path, cfg.trust_remote_code)
     template = Path(cfg.prompt_template).read_text() if cfg.prompt_template else None
     prompts = [data.math_prompt(tok, p.prompt, template) for p in problems]
     max_len = cfg.max_model_len or max(map(len, prompts)) + cfg.max_tokens
-    engine = engine or rollout.VLLMEngine(cfg.model, max_model_len=max_len, seed=cfg.seed, dtype=cfg.dtype,
+    engine = engine or rollout.VLLMEngine(path, max_model_len=max_len, seed=cfg.seed, dtype=cfg.dtype,
                                 tensor_parallel_size=cfg.tensor_parallel_size, trust_remote_code=cfg.trust_remote_code)
     samples = engine.generate(prompts, n=cfg.k, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p, seed=cfg.seed)

@@ -38,7 +38,7 @@ from logs import RunLog, plot
 @dataclass
 class Config:
     # model and engine
-    model: str = "tiny"  # HF path or hub name; "tiny" builds (once) and uses the built-in demo base model
+    model: str = "tiny"  # HF path or hub name; "tiny" / "tiny-math": the built-in demo / math-recipe base (built once)
     engine: Literal["vllm", "hf"] = "vllm"  # rollout engine: colocated vLLM, or HF generate (no vLLM needed)
     tensor_parallel_size: int = 1  # vLLM tensor parallelism over this many consecutive ranks (one engine per group)
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
@@ -113,12 +113,23 @@ class Config:
 
 def model_path(cfg: "Config") -> str:
     """Where the run's starting weights are: --init-from, else --model (the built-in base built on first use)."""
-    return cfg.init_from or (tiny_base() if cfg.model == M.TINY else cfg.model)
+    return cfg.init_from or resolve_model(cfg.model)
+
+
+def resolve_model(name: str) -> str:
+    """A built-in base model's cached folder (built on first use) for "tiny" / "tiny-math"; any other name as is."""
+    return {M.TINY: tiny_base, M.TINY_MATH: tiny_math_base}.get(name, lambda: name)()
 
 
 def tiny_base() -> str:
     """The built-in base model: pretrained on data.py's corpus where 65% of the answers forget the last digit (built once)."""
     return M.ensure_tiny_base(lambda: data.noisy_corpus(data.sum3_split()[0], 200_000, noise=0.65))
+
+
+def tiny_math_base(cache_dir=M.DEFAULT_CACHE, steps: int = 800) -> str:
+    """The math recipe's base: R1-style chain-sum answers, seldom worked out in full (data.sums_corpus; built once)."""
+    return M.ensure_tiny_math_base(data.sums_scaffold_texts(), data.SUMS_ADDED_TOKENS, lambda tok: data.sums_corpus(tok, min(30_000, 100 * steps)),
+                                   cache_dir=cache_dir, steps=steps)
 
 
 @dataclass
@@ -468,7 +479,7 @@ def run_checks(cfg) -> list[tuple[bool, str]]:
     return [
         (cfg.steps >= 1, f"--steps {cfg.steps}: must be at least 1"),
         (cfg.lr > 0, f"--lr {cfg.lr}: must be positive"),
-        (cfg.model == M.TINY or os.path.isdir(cfg.model) or cfg.model.count("/") == 1,
+        (cfg.model in (M.TINY, M.TINY_MATH) or os.path.isdir(cfg.model) or cfg.model.count("/") == 1,
          f"--model {cfg.model}: no such folder, and not a hub name like org/name"),
         (_writable(Path(cfg.out_dir or "runs")), f"--out-dir {cfg.out_dir or 'runs'}: cannot be written"),
         (cfg.max_skipped_steps >= 1, f"--max-skipped-steps {cfg.max_skipped_steps}: must be at least 1"),
