@@ -216,7 +216,7 @@ def pretrain_examples(model, pools: list[list[tuple[list[int], list[int]]]], ste
     return loss.item()
 
 
-def ensure_tiny_math_base(scaffold_texts, added_tokens, corpus_fn, cache_dir: Path = DEFAULT_CACHE, steps: int = 800,
+def ensure_tiny_math_base(scaffold_texts, added_tokens, corpus_fn, cache_dir: Path = DEFAULT_CACHE, steps: int = 2000,
                           lr: float = 3e-3, batch: int = 128, seed: int = 0) -> str:
     """Path of the math recipe's base model (`--model tiny-math`), building it on first use.
 

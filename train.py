@@ -126,7 +126,7 @@ def tiny_base() -> str:
     return M.ensure_tiny_base(lambda: data.noisy_corpus(data.sum3_split()[0], 200_000, noise=0.65))
 
 
-def tiny_math_base(cache_dir=M.DEFAULT_CACHE, steps: int = 800) -> str:
+def tiny_math_base(cache_dir=M.DEFAULT_CACHE, steps: int = 2000) -> str:
     """The math recipe's base: R1-style chain-sum answers, seldom worked out in full (data.sums_corpus; built once)."""
     return M.ensure_tiny_math_base(data.sums_scaffold_texts(), data.SUMS_ADDED_TOKENS, lambda tok: data.sums_corpus(tok, min(30_000, 100 * steps)),
                                    cache_dir=cache_dir, steps=steps)

@@ -31,7 +31,7 @@ def recipe_commands(base: str, out: Path) -> list[list[str]]:
     """`make recipe`'s command lines (script first), with the tiny base, a scratch folder and 2 steps per stage."""
     text = subprocess.run(["make", "-s", "-n", "-o", ".venv/.installed-requirements-cpu", "-o",
                            ".venv/.installed-requirements", "recipe", f"PY={sys.executable}", f"MODEL={base}",
-                           f"R={out}", "STEPS1=2", "STEPS2=2", "STEPS3=2", "K=2"],
+                           f"R={out}", "STEPS1=2", "STEPS2=2", "STEPS3=2", "K=2", "PROMPTS=8", "GROUP=4", "MINIBATCH=16"],
                           cwd=ROOT, capture_output=True, text=True, check=True).stdout
     return [shlex.split(line)[2:] for line in text.splitlines() if line.strip()]
 
