@@ -61,7 +61,7 @@ def test_recipe_chain_runs_end_to_end(tmp_path):
             eval_aime.main(cfg, engine=engine)
         else:
             logs.recipe_report(Path(args[1]))
-    for stage, cap in ((1, 20), (2, 48), (3, 72)):
+    for stage, cap in ((1, 24), (2, 48), (3, 72)):
         cfg = json.loads((out / f"s{stage}" / "config.json").read_text())
         assert cfg["max_new_tokens"] == cap and cfg["stage"] == stage
         assert cfg["init_from"] == ("" if stage == 1 else str(out / f"s{stage - 1}" / "final"))
