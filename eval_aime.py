@@ -29,7 +29,7 @@ import torch
 
 @dataclass
 class EvalConfig:
-    model: str  # HF folder (e.g. a run's <out_dir>/final), hub name, or a built-in base ("tiny")
+    model: str  # HF folder (e.g. a run's <out_dir>/final), hub name, or a built-in base ("tiny", "tiny-math")
     data: str  # problems: .jsonl / .json / .parquet, or an HF dataset name[:split]
     out: str = "eval_samples.jsonl"  # every sample, one JSON line each
     problem_field: str = "problem"  # field holding the problem text

@@ -7,6 +7,9 @@ What it does:
   checkpoint (Qwen2ForCausalLM, head_dim 64 because vLLM's CPU attention rejects 16, and an HF fast tokenizer
   saved beside it), so the tiny model and a real one go through the same loading code and the same vLLM engine.
   "Made" means built from a config and briefly pretrained on a corpus the caller gives (data.py's noisy corpus).
+- ensure_tiny_math_base: the miniature math recipe's base (`--model tiny-math`), built and cached the same way
+  (ensure_base), with a chat template and a small BPE tokenizer, pretrained on data.py's chain-sum corpus to answer
+  R1-style (<think> ... </think> then \\boxed{}).
 - token_logprobs: log pi(y_t | y_<t) of the response tokens, chunked over tokens so that float32 logits over the
   vocabulary exist for at most `chunk_tokens` positions at a time, with or without grad.
 
@@ -27,8 +30,13 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 TINY = "tiny"  # the --model value that names the built-in base model
-BUILTIN = (TINY,)  # --model values that name a base model built here, on first use
 TINY_VERSION = 4  # bump when the recipe below changes, so stale caches are rebuilt
+TINY_MATH = "tiny-math"  # the --model value that names the built-in base of the miniature math recipe
+TINY_MATH_VERSION = 1  # bump when its recipe changes
+BUILTIN = (TINY, TINY_MATH)  # --model values that name a base model built here, on first use
+# a chat template of the plainest kind: "<|user|>...<|assistant|>"; the response then starts with <think>
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 DEFAULT_CACHE = Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-minimal"))
 
 
@@ -38,6 +46,8 @@ def resolve(name: str) -> str:
         import data
 
         return ensure_tiny_base(lambda: data.noisy_corpus(data.sum3_split()[0], 200_000, noise=0.65))
+    if name == TINY_MATH:
+        return ensure_tiny_math_base()
     return name
 
 
@@ -131,27 +141,116 @@ def pretrain(model, tok, texts: list[str], steps: int, lr: float, batch: int, se
     return loss.item()
 
 
-def ensure_tiny_base(
-    corpus_fn, cache_dir: Path = DEFAULT_CACHE, steps: int = 1500, lr: float = 1e-3, batch: int = 256, seed: int = 0
-) -> str:
-    """Path of the built-in base model, building it on first use (about 2.5 minutes on 2 cores).
+def ensure_base(out: Path, build, minutes: str) -> str:
+    """Path of a built-in base model, building it on first use: build() returns (model, tokenizer, extra files).
 
-    corpus_fn() returns the pretraining texts; it is only called when the model has to be built. The checkpoint
-    is written to a temporary folder and renamed into place, so a killed build never leaves a half-written model.
+    The checkpoint is written to a temporary folder and renamed into place (save_new), so a killed build never
+    leaves a half-written model; a folder with a config.json is a finished build.
     """
-    out = Path(cache_dir) / f"tiny-base-v{TINY_VERSION}-s{steps}-seed{seed}"
     if (out / "config.json").exists():
         return str(out)
     t0 = time.time()
-    print(f"building the tiny base model into {out} (once; about 2.5 minutes on 2 cores) ...", flush=True)
-    torch.manual_seed(seed)
-    tok = tiny_tokenizer()
-    model = Qwen2ForCausalLM(tiny_config(len(tok)))
-    final_loss = pretrain(model, tok, corpus_fn(), steps=steps, lr=lr, batch=batch, seed=seed)
-    save_new(out, model, tok, {"pretrain.json": json.dumps({"steps": steps, "lr": lr, "batch": batch,
-                                                            "loss": final_loss})})
-    print(f"tiny base model built in {time.time() - t0:.0f}s (final pretraining loss {final_loss:.3f})", flush=True)
+    print(f"building the base model {out} (once; {minutes} on 2 cores) ...", flush=True)
+    model, tok, extra = build()
+    save_new(out, model, tok, extra)
+    print(f"{out.name} built in {time.time() - t0:.0f}s ({extra})", flush=True)
     return str(out)
+
+
+def ensure_tiny_base(
+    corpus_fn, cache_dir: Path = DEFAULT_CACHE, steps: int = 1500, lr: float = 1e-3, batch: int = 256, seed: int = 0
+) -> str:
+    """Path of the demo's base model, building it on first use (about 2.5 minutes on 2 cores).
+
+    corpus_fn() returns the pretraining texts; it is only called when the model has to be built.
+    """
+
+    def build():
+        torch.manual_seed(seed)
+        tok = tiny_tokenizer()
+        model = Qwen2ForCausalLM(tiny_config(len(tok)))
+        final_loss = pretrain(model, tok, corpus_fn(), steps=steps, lr=lr, batch=batch, seed=seed)
+        return model, tok, {"pretrain.json": json.dumps({"steps": steps, "lr": lr, "batch": batch, "loss": final_loss})}
+
+    return ensure_base(Path(cache_dir) / f"tiny-base-v{TINY_VERSION}-s{steps}-seed{seed}", build, "about 2.5 minutes")
+
+
+def chat_tokenizer(scaffold_texts: list[str], added: list[str], merges: int = 40):
+    """A byte-level BPE tokenizer of the shape of Qwen2's: one token per printable character, `merges` merges
+    learned from scaffold_texts, whole-string tokens for `added` (role markers, <think>, </think>, and the prompt
+    instruction, which every prompt repeats: one position instead of eighteen makes the base's pretraining on a
+    2-core CPU about a third cheaper), and a chat template. It is saved and loaded once, so the caller holds exactly
+    the tokenizer that transformers and vLLM will load from the checkpoint (Qwen2Tokenizer installs its own
+    pre-tokenizer, which splits digits one by one)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    chars = ["Ġ" if c == " " else c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=len(specials) + len(chars) + merges, special_tokens=specials,
+                                  initial_alphabet=chars, show_progress=False)
+    tk.train_from_iterator(scaffold_texts, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    tok.add_tokens(added)  # not special: decoding keeps them, so </think> stays in the text the reward reads
+    tok.chat_template = CHAT_TEMPLATE
+    with tempfile.TemporaryDirectory() as d:
+        tok.save_pretrained(d)
+        tiny_config(len(tok)).save_pretrained(d)  # model_type qwen2: loaded as Qwen2Tokenizer, as it will be
+        return AutoTokenizer.from_pretrained(d)
+
+
+def pretrain_examples(model, pools: list[list[tuple[list[int], list[int]]]], steps: int, lr: float, batch: int,
+                      seed: int, pad_id: int) -> float:
+    """Next-token training on (token ids, loss mask) examples: each batch draws batch / len(pools) from each pool
+    (so a pool's share of the training does not depend on its size); cosine LR decay."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    model.train()
+    loss = torch.tensor(float("nan"))
+    per_pool = batch // len(pools)
+    for _ in range(steps):
+        rows = [pool[i] for pool in pools for i in torch.randint(len(pool), (per_pool,), generator=g).tolist()]
+        L = max(len(ids) for ids, _ in rows)
+        ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), L), -100, dtype=torch.long)
+        for r, (x, m) in enumerate(rows):
+            ids[r, : len(x)] = torch.tensor(x)
+            labels[r, : len(x)] = torch.tensor(x).masked_fill(torch.tensor(m) == 0, -100)
+        # right padding under causal attention: no real token ever sees a pad, so no padding mask is needed (and
+        # attention takes its plain causal path); the pads carry no loss
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    return loss.item()
+
+
+def ensure_tiny_math_base(cache_dir: Path = DEFAULT_CACHE, steps: int = 2000, lr: float = 3e-3, batch: int = 128,
+                          seed: int = 0) -> str:
+    """Path of the math recipe's base model (`--model tiny-math`), building it on first use.
+
+    The demo's shape (Qwen2, hidden 128, 2 layers, head_dim 64 for vLLM's CPU attention; MLP 256) with chat_tokenizer,
+    pretrained on data.py's chain-sum corpus (data.sums_corpus: pools of (token ids, loss mask) examples). `steps`
+    is a parameter so that tests can build a quick, barely trained base of the same shape into a temporary cache.
+    """
+    import data
+
+    def build():
+        torch.manual_seed(seed)
+        tok = chat_tokenizer(data.sums_scaffold_texts(), data.SUMS_ADDED_TOKENS)
+        model = Qwen2ForCausalLM(tiny_config(len(tok), intermediate=256))  # half the demo's MLP: half the build time
+        pools = data.sums_corpus(tok, min(30_000, 100 * steps))
+        final_loss = pretrain_examples(model, pools, steps=steps, lr=lr, batch=batch, seed=seed,
+                                       pad_id=tok.pad_token_id)
+        return model, tok, {"pretrain.json": json.dumps({"steps": steps, "lr": lr, "batch": batch, "loss": final_loss})}
+
+    out = Path(cache_dir) / f"tiny-math-base-v{TINY_MATH_VERSION}-s{steps}-seed{seed}"
+    return ensure_base(out, build, "a few minutes" if steps > 100 else "seconds")
 
 
 def save_new(out: Path, model, tok, extra_files: dict[str, str] | None = None) -> None:

@@ -41,7 +41,7 @@ from logs import plot
 @dataclass
 class Config:
     # model and engine
-    model: str = "tiny"  # HF path or hub name; "tiny" builds (once) and uses the built-in demo base model
+    model: str = "tiny"  # HF path or hub name; "tiny" / "tiny-math": the built-in demo / math-recipe base (built once)
     engine: Literal["vllm", "hf"] = "vllm"  # rollout engine: colocated vLLM, or HF generate (no vLLM needed)
     tensor_parallel_size: int = 1  # vLLM tensor parallelism over this many consecutive ranks (one engine per group)
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model

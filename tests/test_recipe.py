@@ -1,0 +1,82 @@
+"""The miniature math recipe's plumbing (`make recipe`): its own commands, taken from the Makefile with `make -n`,
+run for two GRPO steps per stage on a barely pretrained tiny-math base built into a temporary cache. What it checks:
+the problem files, the three stages chained through --init-from with their presets, eval_aime.py on the base and
+after each stage, and the report's table and PNG. What it does not check: that the recipe learns (README's table
+is one measured run of `make recipe`).
+
+The commands run in this process (same argument lists, through train.parse_args and eval_aime's tyro config) with
+one vLLM engine refit for each evaluation, instead of nine interpreters and four engines.
+"""
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import tyro
+
+import data
+import distributed
+import eval_aime
+import logs
+import model
+import rollout
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def recipe_commands(base: str, out: Path) -> list[list[str]]:
+    """`make recipe`'s command lines (script first), with the tiny base, a scratch folder and 2 steps per stage."""
+    text = subprocess.run(["make", "-s", "-n", "-o", ".venv/.installed-requirements-cpu", "-o",
+                           ".venv/.installed-requirements", "recipe", f"PY={sys.executable}", f"MODEL={base}",
+                           f"R={out}", "STEPS1=2", "STEPS2=2", "STEPS3=2", "K=2", "PROMPTS=8", "GROUP=4", "MINIBATCH=16"],
+                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [shlex.split(line)[2:] for line in text.splitlines() if line.strip()]
+
+
+def test_recipe_chain_runs_end_to_end(tmp_path):
+    base = model.ensure_tiny_math_base(cache_dir=tmp_path / "cache", steps=20)
+    tok = model.load_tokenizer(base)
+    assert tok.chat_template and "<think>" in tok.decode(tok("<think>", add_special_tokens=False)["input_ids"])
+    out = tmp_path / "recipe"
+    cmds = recipe_commands(base, out)
+    assert [c[0] for c in cmds] == ["data.py", "eval_aime.py", "train.py", "eval_aime.py", "train.py",
+                                    "eval_aime.py", "train.py", "eval_aime.py", "logs.py"]
+    engine = None
+    for cmd in cmds:
+        script, args = cmd[0], cmd[1:]
+        if script == "data.py":
+            data.write_sums(args[1])
+        elif script == "train.py":
+            cfg = train.parse_args(args + ["--quiet"])
+            assert cfg.task == "math" and cfg.stage in (1, 2, 3) and cfg.steps == 2
+            train.train(cfg)
+        elif script == "eval_aime.py":
+            cfg = tyro.cli(eval_aime.EvalConfig, args=args)
+            path = model.resolve(cfg.model)
+            engine = engine or rollout.VLLMEngine(path, max_model_len=128, seed=0, dtype="float32")
+            engine.load_weights(distributed.full_weights(model.load_model(path)))
+            eval_aime.main(cfg, engine=engine)
+        else:
+            logs.recipe_report(Path(args[1]))
+    for stage, cap in ((1, 24), (2, 48), (3, 72)):
+        cfg = json.loads((out / f"s{stage}" / "config.json").read_text())
+        assert cfg["max_new_tokens"] == cap and cfg["stage"] == stage
+        assert cfg["init_from"] == ("" if stage == 1 else str(out / f"s{stage - 1}" / "final"))
+    held = {json.loads(x)["problem"] for x in open(out / "data" / "heldout.jsonl")}
+    assert len(held) == 200 and not held & {json.loads(x)["problem"] for x in open(out / "data" / "train.jsonl")}
+    table = (out / "recipe.md").read_text()
+    assert table.count("\n| ") == 4 and (out / "recipe.png").stat().st_size > 0  # rows 0-3 under the header
+
+
+def test_heldout_problems_are_not_in_the_pretraining_corpus():
+    tok = model.chat_tokenizer(data.sums_scaffold_texts(), data.SUMS_ADDED_TOKENS)
+    _, heldout, _ = data.sums_split()
+    held = {tuple(data.math_prompt(tok, p.prompt)) for p in heldout}
+    proper, practice = data.sums_corpus(tok, 3000)
+    for ids, mask in proper + practice:
+        assert tuple(ids[: mask.index(1)]) not in held
+    # the chain-practice pool hides exactly one token, the one where a chain and a direct answer part
+    assert all(len(ids) - sum(mask) - mask.index(1) == 1 for ids, mask in practice)
