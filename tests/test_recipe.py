@@ -33,7 +33,8 @@ def recipe_commands(base: str, out: Path) -> list[list[str]]:
                            ".venv/.installed-requirements", "recipe", f"PY={sys.executable}", f"MODEL={base}",
                            f"R={out}", "STEPS1=2", "STEPS2=2", "STEPS3=2", "K=2", "PROMPTS=8", "GROUP=4", "MINIBATCH=16"],
                           cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return [shlex.split(line)[2:] for line in text.splitlines() if line.strip()]
+    lines = [shlex.split(line) for line in text.splitlines() if line.strip()]
+    return [words[next(i for i, w in enumerate(words) if w.endswith(".py")):] for words in lines]  # from the script
 
 
 def test_recipe_chain_runs_end_to_end(tmp_path):
