@@ -13,6 +13,7 @@ What it does not do: decide what to generate (train.py), score responses (reward
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
@@ -68,8 +69,11 @@ class VLLMEngine:
         kv_cache_gib: int = 1, external_launcher: bool = False,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-refit INFO lines would drown the progress bar
         on_cpu = not torch.cuda.is_available()
+        # its per-refit INFO lines would drown the progress bar; on CPU its start-up warnings (no tcmalloc, no
+        # Triton, eager mode, the global seed) concern a GPU server, not this tiny colocated engine
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR" if on_cpu else "WARNING")
+        warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op.*", category=FutureWarning)
         self.can_sleep, self.asleep = not on_cpu, False
         if on_cpu:
             dtype = "float32" if dtype == "auto" else dtype  # vLLM's auto would run float32 weights in bfloat16
