@@ -245,7 +245,9 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False,
-                 min_tokens=0) -> list[Sample]:
+                 min_tokens=0, first_index=0) -> list[Sample]:
+        """first_index is accepted and unused: generate draws every sample from one torch stream seeded with `seed`,
+        so a split of the prompts over engines changes the draws (eval_aime.py under torchrun wants vLLM)."""
         from tqdm import tqdm
 
         if seed is not None:

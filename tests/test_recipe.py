@@ -4,8 +4,8 @@ the problem files, the three stages chained through --init-from with their prese
 after each stage, and the report's table and PNG. What it does not check: that the recipe learns (README's table
 is one measured run of `make recipe`).
 
-The commands run in this process (same argument lists, through train.parse_args and eval_aime's tyro config) with
-one vLLM engine refit for each evaluation, instead of nine interpreters and four engines.
+The commands run in this process (same argument lists, through train.parse_args and eval_aime's tyro config), each
+evaluation with an HF engine of its own, instead of nine interpreters and four vLLM engines.
 """
 
 import json
@@ -17,7 +17,6 @@ from pathlib import Path
 import tyro
 
 import data
-import distributed
 import eval_aime
 import logs
 import model
@@ -45,7 +44,6 @@ def test_recipe_chain_runs_end_to_end(tmp_path):
     cmds = recipe_commands(base, out)
     assert [c[0] for c in cmds] == ["data.py", "eval_aime.py", "train.py", "eval_aime.py", "train.py",
                                     "eval_aime.py", "train.py", "eval_aime.py", "logs.py"]
-    engine = None
     for cmd in cmds:
         script, args = cmd[0], cmd[1:]
         if script == "data.py":
@@ -56,10 +54,9 @@ def test_recipe_chain_runs_end_to_end(tmp_path):
             train.train(cfg)
         elif script == "eval_aime.py":
             cfg = tyro.cli(eval_aime.EvalConfig, args=args)
-            path = model.resolve(cfg.model)
-            engine = engine or rollout.VLLMEngine(path, max_model_len=128, seed=0, dtype="float32")
-            engine.load_weights(distributed.full_weights(model.load_model(path)))
-            eval_aime.main(cfg, engine=engine)
+            # the HF engine: a second vLLM engine in this process would tear down the vLLM state that the session's
+            # engine (conftest.py) lives on when it is freed; `make recipe` itself runs eval_aime.py with vLLM
+            eval_aime.main(cfg, engine=rollout.HFEngine(model.resolve(cfg.model)))
         else:
             logs.recipe_report(Path(args[1]))
     for stage, cap in ((1, 24), (2, 48), (3, 72)):
