@@ -79,8 +79,8 @@ def heldout_accuracy(engine, tok, prompts: list[list[int]], answers: list[str], 
     mine, gold = prompts[first:last], answers[first:last]
     sampled = engine.generate(mine, n=k, max_tokens=max_tokens, temperature=temperature, seed=seed, progress=progress)
     greedy = engine.generate(mine, n=1, max_tokens=max_tokens, temperature=0.0, seed=seed)
-    s = [reward_fn(tok.decode(x.token_ids, skip_special_tokens=True), gold[x.prompt_idx]) for x in sampled]
-    g = [reward_fn(tok.decode(x.token_ids, skip_special_tokens=True), gold[x.prompt_idx]) for x in greedy]
+    s, g = ([reward_fn(tok.decode(x.token_ids, skip_special_tokens=True), gold[x.prompt_idx]) for x in samples]
+            for samples in (sampled, greedy))
     counted = float(dist.rank() % tp == 0)
     tot = dist.all_reduce_sum(counted * torch.tensor([sum(s), len(s), sum(g), len(g)], dtype=torch.float64)).tolist()
     return {"heldout_pass1": tot[0] / tot[1], "heldout_greedy": tot[2] / tot[3]} if tot[1] else {}

@@ -278,8 +278,9 @@ def export_hf(argv: list[str], script: str) -> None:
     the run's start weights come from the config the checkpoint recorded)."""
     check([(len(argv) == 3, f"usage: python {script} export RUN/checkpoints/step_NNNNNN OUT_FOLDER")])
     ckpt, out = Path(argv[1]), Path(argv[2])
-    check([(ckpt.is_dir(), f"{ckpt}: no such checkpoint folder"),
-           (dist.checkpoint_problem(ckpt) is None, f"{ckpt}: not a readable checkpoint ({dist.checkpoint_problem(ckpt)})"),
+    check([(ckpt.is_dir(), f"{ckpt}: no such checkpoint folder")])
+    problem = dist.checkpoint_problem(ckpt)
+    check([(problem is None, f"{ckpt}: not a readable checkpoint ({problem})"),
            (writable(out.parent), f"{out}: cannot be written")])
     meta = json.loads((ckpt / "meta.json").read_text())
     cfg = meta["config"]

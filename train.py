@@ -492,8 +492,9 @@ def load_task(cfg: Config) -> Task:
         train_set, heldout = data.sum3_split()
     else:
         train_set = data.load_problems(cfg.data, cfg.problem_field, cfg.answer_field)
-        heldout = data.load_problems(cfg.val_data, cfg.problem_field, cfg.answer_field) if cfg.val_data else None
-        if heldout is None:
+        if cfg.val_data:
+            heldout = data.load_problems(cfg.val_data, cfg.problem_field, cfg.answer_field)
+        else:
             train_set, heldout = data.split(train_set, cfg.val_fraction, cfg.seed)
     template = data.read_template(cfg.prompt_template)
     path = model_path(cfg)
