@@ -1,14 +1,17 @@
 """Processes: the process group, FSDP2 sharding, full-weight streaming for the refit, and reductions.
 
 What it does:
-- init: the process group from torchrun's environment (NCCL on GPU, gloo on CPU) with a timeout, so a rank
-  stuck in a collective errors out instead of hanging forever. (When a rank *dies*, torchrun stops the others.)
-- shard: FSDP2 (`fully_shard`) on every decoder layer and on the root, parameters kept in float32 and computed in
-  bfloat16 on GPU (gradients reduced in float32). Every rank's loss is already divided by the global token count
-  (grpo.py), so the global-batch gradient is the *sum* over ranks (see loss_scale), at any world size.
-  Optional activation checkpointing (HF's, which keeps parameter names unchanged).
+- init: the process group from torchrun's environment with a timeout, so a rank stuck in a collective errors out
+  instead of hanging forever (when a rank *dies*, torchrun stops the others). On GPU one group carries both kinds
+  of tensor: NCCL for CUDA tensors, gloo for the CPU tensors every reduction of the loop's bookkeeping uses.
+- shard: FSDP2 (`fully_shard`) on every decoder layer and on the root, parameters, gathers and gradients all in
+  float32; bf16 compute comes from autocast around the forward (runtime.autocast), the same at every world size.
+  Every rank's loss is already divided by the global token count (grpo.py), so the global-batch gradient is the
+  *sum* over ranks (see loss_scale), at any world size. Optional activation checkpointing (HF's, which keeps
+  parameter names unchanged).
 - full_weights: the model's full tensors, gathered from the shards in buckets bounded in bytes as they are
-  consumed, so the refit never holds a second full copy of the model beside vLLM's.
+  consumed (cast before the gather, so a bf16 engine's refit moves half the bytes), so the refit never holds a
+  second full copy of the model beside vLLM's.
 - reductions (sum, max, grad-norm clipping) that are no-ops in a single process, and rank-0 printing.
 - micro_batches: token-budget micro-batches, the same number on every rank (FSDP's collectives need it).
 - reuse_freed_memory: on CPU, glibc keeps freed memory for the next step instead of returning it to the kernel.
@@ -35,20 +38,34 @@ import torch
 import torch.distributed as dist
 
 _OURS = False  # vLLM starts a world-size-1 process group of its own in a single process: never destroy that one
+_RANK, _WORLD = 0, 1  # kept after close(): a rank still knows who it is once the group is gone
 
 
-def init(timeout_s: int = 600) -> tuple[int, int]:
-    """(rank, world_size); starts the process group when launched by torchrun. NCCL on GPU, gloo on CPU."""
-    global _OURS
+def backend(cuda: bool) -> str:
+    """The process group's backends by device. An NCCL group alone carries only CUDA tensors, and the loop reduces
+    CPU tensors (counts, metrics, flags) on every step: on GPU the group needs gloo beside NCCL."""
+    return "cpu:gloo,cuda:nccl" if cuda else "cpu:gloo"
+
+
+def init(timeout_s: int = 1800) -> tuple[int, int]:
+    """(rank, world_size); starts the process group when launched by torchrun (see backend)."""
+    global _OURS, _RANK, _WORLD
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return 0, 1
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else None
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend(cuda), timeout=datetime.timedelta(seconds=timeout_s), device_id=device)
         _OURS = True
-    return dist.get_rank(), dist.get_world_size()
+    _RANK, _WORLD = dist.get_rank(), dist.get_world_size()
+    return _RANK, _WORLD
+
+
+def local_world_size() -> int:
+    """Processes on this node (torchrun's LOCAL_WORLD_SIZE; 1 outside torchrun): they share its cores."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def reuse_freed_memory() -> bool:
@@ -69,15 +86,15 @@ def reuse_freed_memory() -> bool:
 
 
 def rank() -> int:
-    return dist.get_rank() if _OURS else 0
+    return _RANK
 
 
 def world_size() -> int:
-    return dist.get_world_size() if _OURS else 1
+    return _WORLD
 
 
 def is_main() -> bool:
-    return not _OURS or dist.get_rank() == 0
+    return _RANK == 0
 
 
 def print0(*args, **kwargs) -> None:
@@ -98,21 +115,40 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def shard(root: torch.nn.Module, lm: torch.nn.Module, bf16_compute: bool, checkpointing: bool) -> torch.nn.Module:
+def shard(root: torch.nn.Module, lm: torch.nn.Module, checkpointing: bool) -> torch.nn.Module:
     """FSDP2 over the ranks (a no-op for one process): each decoder layer of the HF model `lm`, then `root` (the
-    module whose forward the trainer calls, model.LogprobModel). Optional activation checkpointing."""
+    module whose forward the trainer calls, model.LogprobModel). Optional activation checkpointing.
+
+    `root` may still be on the CPU: fully_shard moves one module's parameters at a time to this rank's device and
+    keeps its shard, so no GPU ever holds the whole model. Everything stays float32 (FSDP's default policy):
+    bf16 compute is autocast's, as in one process, so one GPU and eight train the same numerics; the price is
+    all-gathers of float32 (twice bf16's bytes). FSDP2 never reshards the root after its forward (it expects the
+    backward next); after a forward without grad (old or reference logprobs, evaluation) nothing follows, so the
+    hook below reshards it, or the root's full embedding, norm and LM head would stay gathered until the next
+    backward (all run long for the frozen reference) and named_parameters() would show the gathered tensors.
+    """
     if checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lm.config.use_cache = False
     if not _OURS:
         return root
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute else MixedPrecisionPolicy()
     for layer in lm.get_decoder().layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(root, mp_policy=mp)
+        fully_shard(layer)
+    fully_shard(root)
+    root.register_forward_hook(lambda module, args, out: None if torch.is_grad_enabled() else module.reshard())
     return root
+
+
+@contextmanager
+def gradient_sync(model: torch.nn.Module, sync: bool):
+    """Under FSDP, reduce-scatter gradients only when `sync` (the last micro-batch of a minibatch): the earlier ones
+    accumulate in full (unsharded) gradients, so a minibatch costs one reduction, not one per micro-batch. The
+    price is one full float32 copy of the gradients while a minibatch accumulates (memory.py counts it)."""
+    if _OURS and hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)
+    yield
 
 
 def micro_batches(lengths: list[int], rows: list[int], token_budget: int) -> list[list[int]]:
@@ -157,26 +193,28 @@ def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None,
     `bucket_bytes` (or one tensor, if a single tensor is larger): the refit never holds more than one bucket of
     full tensors beside the engine's weights, never a second full copy of the model.
 
-    Every rank must consume the iterator completely and in the same order (each gather is a collective).
+    Every rank must consume the iterator completely and in the same order (each gather is a collective). `dtype`
+    casts each shard before its gather: the engine's dtype travels, not the float32 master weights.
     """
     from torch.distributed.tensor import DTensor
 
     bucket, size = [], 0
     for name, p in model.named_parameters():
-        nbytes = p.numel() * (p.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size())
+        t = p.detach() if dtype is None else p.detach().to(dtype)
+        nbytes = t.numel() * t.element_size()  # of the full tensor (a DTensor's numel is the full tensor's)
         if bucket and size + nbytes > bucket_bytes:
             yield from bucket
             bucket, size = [], 0
-        t = p.detach()
-        t = t.full_tensor() if isinstance(t, DTensor) else t
-        bucket.append((name, t if dtype is None else t.to(dtype)))
+        bucket.append((name, t.full_tensor() if isinstance(t, DTensor) else t))
         size += nbytes
     yield from bucket
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full state dict on CPU (a collective under FSDP: every rank calls it), with HF parameter names."""
-    return {name: t.cpu() for name, t in full_weights(model)}
+    """The full state dict on CPU, with HF parameter names, on rank 0 ({} on the others, which only take part in
+    the gathers): a collective under FSDP, and never a full copy of the model on every rank."""
+    main = is_main()
+    return {name: t.cpu() for name, t in full_weights(model) if main}
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -282,7 +320,13 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
     return meta, torch.load(Path(path) / f"rank{rank()}.pt", weights_only=False)
 
 
-def close() -> None:
+def close(engine=None) -> None:
+    """The end of a run's distributed state, in the one order that ends without tracebacks: the rollout engine
+    (if this process owns one) shuts down first, while the process group it shares is still up. vLLM's shutdown
+    destroys its own groups and then the default group (`cleanup_dist_env_and_memory`); the other way round, its
+    groups would outlive the default one and every rank would print "Invalid process group specified" at exit."""
+    if engine is not None:
+        engine.close()
     if _OURS and dist.is_initialized():
         dist.destroy_process_group()
 

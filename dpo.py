@@ -288,6 +288,11 @@ def pair_logps(m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int, grad: 
     return s[: len(pairs)], s[len(pairs) :]
 
 
+# a rank with fewer micro-batches than another runs this pair with zero weight (FSDP needs equal passes): one token
+# of prompt and one of each response, whatever the length of the real pairs
+STAND_IN = Pair((1,), (2,), (2,))
+
+
 def equal_micro_batches(pairs: list[Pair], token_budget: int) -> list[list[int]]:
     """Whole pairs per micro-batch (the loss needs both rows), within the token budget counted over both padded
     rows; the same number on every rank (distributed.micro_batches)."""
@@ -300,18 +305,20 @@ def update(policy, ref, opt, sched, pairs: list[Pair], n_global: int, cfg: DPOCo
     Each micro-batch: reference logprobs (no grad), policy logprobs (grad), the loss summed over its pairs and
     divided by n_global, times dist.loss_scale() (FSDP averages over ranks; we want the sum), backward. So the
     gradient is that of the global batch's mean loss at any world size and any micro-batching. An empty
-    micro-batch (a rank with fewer passes) runs one pair with weight 0. Returns (summed metrics, grad norm, skipped).
+    micro-batch (a rank with fewer passes) runs STAND_IN with weight 0. Returns (summed metrics, grad norm, skipped).
     """
     policy.train()
     sums: dict[str, float] = {}
-    for rows in equal_micro_batches(pairs, cfg.micro_batch_tokens):
-        mb = [pairs[r] for r in rows] or pairs[:1]
+    micro = equal_micro_batches(pairs, cfg.micro_batch_tokens)
+    for k, rows in enumerate(micro):
+        mb = [pairs[r] for r in rows] or [STAND_IN]
         with torch.no_grad():
             ref_c, ref_r = pair_logps(ref, mb, cfg, device, pad_id, grad=False)  # [n], [n]
         pol_c, pol_r = pair_logps(policy, mb, cfg, device, pad_id, grad=True)  # [n], [n]
         loss, metrics = dpo_loss(pol_c, pol_r, ref_c, ref_r, cfg.beta, cfg.label_smoothing, cfg.loss)
         weight = 1.0 if rows else 0.0
-        (loss.sum() * (weight / n_global) * dist.loss_scale()).backward()
+        with dist.gradient_sync(policy, k == len(micro) - 1):  # one gradient reduction per step
+            (loss.sum() * (weight / n_global) * dist.loss_scale()).backward()
         if rows:
             metrics["loss"] = loss.detach()
             for k, v in metrics.items():
@@ -336,8 +343,7 @@ def eval_logps(m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int) -> tor
     """[n, 2] log pi of (chosen, rejected) for this rank's share of `pairs` (no grad; every rank the same passes)."""
     out = torch.zeros(len(pairs), 2, dtype=torch.float64)
     for rows in equal_micro_batches(pairs, cfg.micro_batch_tokens):
-        c, r = pair_logps(m, [pairs[i] for i in rows] or pairs[:1] or [Pair((1,), (2,), (2,))], cfg, device,
-                          pad_id, grad=False)
+        c, r = pair_logps(m, [pairs[i] for i in rows] or [STAND_IN], cfg, device, pad_id, grad=False)
         if rows:
             out[rows] = torch.stack([c, r], 1).double().cpu()
     return out
@@ -406,8 +412,8 @@ def train_dpo(cfg: DPOConfig) -> dict:
     heldout_pairs = encode_pairs(tok, heldout_rows, cfg.max_seq_len, "held-out") if heldout_rows else []
     if len(train_pairs) < cfg.batch_size:
         raise SystemExit(f"error: --batch-size {cfg.batch_size}: only {len(train_pairs)} training pairs")
-    policy = runtime.load_trainable(path, device, bf16, cfg.activation_checkpointing, cfg.trust_remote_code)
-    ref = runtime.load_trainable(path, device, bf16, False, cfg.trust_remote_code).eval().requires_grad_(False)
+    policy = runtime.load_trainable(path, device, cfg.activation_checkpointing, cfg.trust_remote_code)
+    ref = runtime.load_trainable(path, device, False, cfg.trust_remote_code).eval().requires_grad_(False)
     engine = None
     if heldout_problems and cfg.eval_every:  # task accuracy of the synthetic demo: generate with HF
         from rollout import HFEngine

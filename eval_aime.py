@@ -43,6 +43,7 @@ class EvalConfig:
     max_tokens: int = 32768  # response length limit
     max_model_len: int = 0  # prompt + response; 0 = longest prompt + max_tokens
     tensor_parallel_size: int = 1  # vLLM tensor parallelism (GPUs per engine)
+    gpu_memory_utilization: float = 0.9  # GPU memory share for vLLM's weights and KV cache (no trainer beside it)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # vLLM dtype (auto: bf16 on GPU, float32 on CPU)
     seed: int = 0  # sampling seed
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
@@ -68,17 +69,22 @@ def summarize(rows: list[dict], n_problems: int, k: int) -> dict:
             "truncated_frac": sum(r["truncated"] for r in rows) / len(rows), "correct": correct}
 
 
-def heldout_accuracy(engine, tok, prompts: list[list[int]], answers: list[str], reward_fn, k: int, max_tokens: int,
-                     temperature: float, seed: int, tp: int = 1, progress: bool = False) -> dict:
+def heldout_accuracy(engine, tok, prompts: list[list[int]], answers: list[str], reward_fn, k: int,
+                     max_tokens: int | list[int], temperature: float, seed: int, tp: int = 1,
+                     progress: bool = False) -> dict:
     """The held-out figures a training run logs (GRPO and DPO): heldout_pass1 = mean reward over k samples per
     prompt at `temperature`, heldout_greedy = mean reward of one greedy response per prompt. Each engine (rank, or
-    group of `tp` tensor-parallel ranks sending identical requests) takes its share; a collective."""
+    group of `tp` tensor-parallel ranks sending identical requests) takes its share; a collective. Each prompt's
+    samples come from streams of its own, seeded by its index in `prompts`: independent across ranks, and the
+    same figures at any world size. max_tokens: one limit, or one per prompt."""
     import distributed as dist
 
     first, last = dist.share(prompts, dist.rank() // tp, dist.world_size() // tp)
     mine, gold = prompts[first:last], answers[first:last]
-    sampled = engine.generate(mine, n=k, max_tokens=max_tokens, temperature=temperature, seed=seed, progress=progress)
-    greedy = engine.generate(mine, n=1, max_tokens=max_tokens, temperature=0.0, seed=seed)
+    caps = max_tokens[first:last] if isinstance(max_tokens, list) else max_tokens
+    sampled = engine.generate(mine, n=k, max_tokens=caps, temperature=temperature, seed=seed, progress=progress,
+                              first_index=first)
+    greedy = engine.generate(mine, n=1, max_tokens=caps, temperature=0.0, seed=seed, first_index=first)
     s, g = ([reward_fn(tok.decode(x.token_ids, skip_special_tokens=True), gold[x.prompt_idx]) for x in samples]
             for samples in (sampled, greedy))
     counted = float(dist.rank() % tp == 0)
@@ -100,6 +106,8 @@ def validate(cfg: EvalConfig, world: int) -> None:
          f"--max-model-len {cfg.max_model_len}: must be 0 (auto) or above --max-tokens {cfg.max_tokens}"),
         (cfg.tensor_parallel_size >= 1 and world % cfg.tensor_parallel_size == 0,
          f"--tensor-parallel-size {cfg.tensor_parallel_size}: must divide the {world} ranks"),
+        (0 < cfg.gpu_memory_utilization < 1,
+         f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: must be a fraction in (0, 1)"),
         (runtime.writable(Path(cfg.out).absolute().parent), f"--out {cfg.out}: cannot be written"),
     ])
 
@@ -127,7 +135,9 @@ def main(cfg: EvalConfig, engine=None) -> dict:
     tp = cfg.tensor_parallel_size
     groups = world // tp
     first, last = dist.share(prompts, rank // tp, groups)
+    own_engine = engine is None  # an engine the caller brought is the caller's to close
     engine = engine or rollout.VLLMEngine(path, max_model_len=max_len, seed=cfg.seed, dtype=cfg.dtype,
+                                          gpu_memory_utilization=cfg.gpu_memory_utilization, colocated=False,
                                           tensor_parallel_size=tp, trust_remote_code=cfg.trust_remote_code,
                                           external_launcher=world > 1)
     samples = engine.generate(prompts[first:last], n=cfg.k, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
@@ -140,8 +150,8 @@ def main(cfg: EvalConfig, engine=None) -> dict:
         rows.append({"problem_idx": i, "answer": problems[i].answer, "response": text,
                      "reward": score(text, problems[i].answer), "truncated": s.truncated, "tokens": len(s.token_ids)})
     rows = [r for part in dist.gather_to_main(rows if rank % tp == 0 else []) for r in part]
+    dist.close(engine if own_engine else None)  # every collective is done
     if not dist.is_main():
-        dist.close()
         return {}
     out, tmp = Path(cfg.out), Path(cfg.out + ".tmp")
     with open(tmp, "w") as f:
@@ -159,7 +169,6 @@ def main(cfg: EvalConfig, engine=None) -> dict:
     summary_file = out.with_suffix(".summary.json")
     summary_file.with_suffix(".tmp").write_text(json.dumps({"config": asdict(cfg), **summary}, indent=1))
     summary_file.with_suffix(".tmp").replace(summary_file)
-    dist.close()
     return summary
 
 

@@ -275,9 +275,12 @@ def save_new(out: Path, model, tok, extra_files: dict[str, str] | None = None) -
 
 
 def _logp_entropy_chunk(hidden, lm_head_weight, targets, temperature: float, with_entropy: bool):
-    logits = hidden @ lm_head_weight.t()  # [n, V], only n tokens at a time
-    # at least float32 (bf16 logits lose the logprob's digits); float64 stays float64 (the equivalence tests)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    # The head's matmul itself in float32 (float64 stays float64: the equivalence tests), outside autocast: logits
+    # of 20-30 computed in bf16 carry errors of ~0.06 in a token's logprob, before any later cast could help. vLLM
+    # computes its head in float32 too (rollout.py), so trainer and engine agree.
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = hidden.to(dtype) @ lm_head_weight.to(dtype).t() / temperature  # [n, V], only n tokens at a time
     logz = torch.logsumexp(logits, dim=-1)  # [n]
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # [n]
     if not with_entropy:

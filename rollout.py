@@ -11,6 +11,7 @@ What it does not do: decide what to generate (train.py), score responses (reward
 (distributed.py streams them; this file only consumes the stream).
 """
 
+import gc
 import logging
 import os
 import warnings
@@ -31,12 +32,14 @@ class Sample:
 
 class Engine(Protocol):
     def generate(
-        self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-        seed: int | None = None, progress: bool = False, min_tokens: int = 0,
+        self, prompts: list[list[int]], n: int, max_tokens: int | list[int], temperature: float = 1.0,
+        top_p: float = 1.0, seed: int | None = None, progress: bool = False, min_tokens: int = 0,
+        first_index: int | None = None,
     ) -> list[Sample]:
         """n samples for each prompt, ordered prompt-major: samples of prompt i are [i*n, (i+1)*n).
+        max_tokens: one limit, or one per prompt (what the prompt leaves of the sequence length).
         progress: show a progress bar (long rollouts on GPUs). min_tokens: EOS is masked before this many tokens
-        (fixed-length benchmark workloads)."""
+        (fixed-length benchmark workloads). first_index: see VLLMEngine.generate."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -45,18 +48,28 @@ class Engine(Protocol):
         ...
 
     def sleep(self) -> None:
-        """Give the engine's accelerator memory (KV cache) to the trainer until the next load_weights."""
+        """Give the engine's accelerator memory to the trainer until the next load_weights."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine before the process group it may share (distributed.close)."""
         ...
 
 
 class VLLMEngine:
     """vLLM's offline LLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), colocated with the trainer.
 
-    On GPU it sleeps between rollouts (vLLM sleep mode, level 1: the KV cache is freed and the weights wait in CPU
-    memory), so the logprob and update passes get the KV cache's memory back. The order is what keeps it correct:
-    a sleeping engine refuses to generate, and load_weights wakes the weights *before* writing the new ones into
-    them (waking after the refit would copy the old weights back over the new: TRL's stale-weights bug), then
-    wakes the KV cache and drops cached prefixes. vLLM has no sleep mode on CPU; there sleep() does nothing.
+    On GPU, beside a trainer (`colocated`), it sleeps between rollouts (vLLM sleep mode, level 2: the KV cache and
+    the weights are freed, the model's buffers kept), so the logprob and update passes get its memory back; the
+    refit loads every weight anyway, so nothing needs to wait in host memory (level 1 would copy all of it out and
+    back for nothing). The order is what keeps it correct: a sleeping engine refuses to generate, and load_weights
+    wakes the weights' memory first and writes the new weights into it, then empties torch's cache (the trainer's
+    freed activations) and wakes the KV cache, then drops cached prefixes. vLLM has no sleep mode on CPU; there
+    sleep() does nothing. Alone (eval_aime.py) it takes most of the GPU and never sleeps.
+
+    Its LM head runs in float32 (vLLM's `head_dtype` override), as the trainer's does (model.py): bf16 logits of
+    20-30 carry errors of ~0.06 in a token's logprob, which the engine/trainer mismatch metrics would report as
+    policy drift.
 
     On CPU it guards the trainer's threads: vLLM's CPU worker binds OpenMP threads to cores, drops torch to one
     thread, and replaces torch.set_num_threads with a no-op; a colocated trainer would silently lose a core. We
@@ -64,9 +77,9 @@ class VLLMEngine:
     """
 
     def __init__(
-        self, model_path: str, max_model_len: int, seed: int = 0, dtype: str = "auto", gpu_memory_utilization: float = 0.5,
-        tensor_parallel_size: int = 1, trust_remote_code: bool = False,
-        kv_cache_gib: int = 1, external_launcher: bool = False,
+        self, model_path: str, max_model_len: int, seed: int = 0, dtype: str = "auto",
+        gpu_memory_utilization: float = 0.6, colocated: bool = True, tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False, kv_cache_gib: int = 1, external_launcher: bool = False,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         on_cpu = not torch.cuda.is_available()
@@ -74,7 +87,7 @@ class VLLMEngine:
         # Triton, eager mode, the global seed) concern a GPU server, not this tiny colocated engine
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR" if on_cpu else "WARNING")
         warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op.*", category=FutureWarning)
-        self.can_sleep, self.asleep = not on_cpu, False
+        self.can_sleep, self.asleep = colocated and not on_cpu, False
         if on_cpu:
             dtype = "float32" if dtype == "auto" else dtype  # vLLM's auto would run float32 weights in bfloat16
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -91,6 +104,7 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size, trust_remote_code=trust_remote_code,
             logprobs_mode="processed_logprobs",  # logprobs after temperature: the distribution we sampled from
             enable_prefix_caching=True,  # the G samples of a prompt share its KV cache
+            hf_overrides={"head_dtype": "float32"},  # the LM head in float32, as the trainer computes it
         )
         if external_launcher:  # one engine per torchrun rank, sharing torchrun's process group
             kwargs["distributed_executor_backend"] = "external_launcher"
@@ -98,7 +112,7 @@ class VLLMEngine:
             kwargs["enforce_eager"] = True
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = True
+            kwargs["enable_sleep_mode"] = self.can_sleep
         try:
             self.llm = LLM(**kwargs)
         finally:
@@ -111,19 +125,33 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM start-up changed torch threads {threads} -> {torch.get_num_threads()}")
 
     def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False,
-                 min_tokens=0, first_index=0) -> list[Sample]:
-        """first_index: the index of prompts[0] in a larger list split over engines (eval_aime.py under torchrun),
-        so each prompt's seed, and so its samples, do not depend on how the list was split."""
+                 min_tokens=0, first_index=None) -> list[Sample]:
+        """max_tokens: one limit for every prompt, or a list with one per prompt.
+
+        seed: reproducible samples, each from draws of its own. By default the whole call draws from one random
+        stream seeded with `seed`, which keeps vLLM's sampler on its batched path (a seed on each request makes it
+        loop over the requests in Python at every decode step). With first_index (the index of prompts[0] in a
+        larger list split over engines: evaluation under torchrun) each prompt gets streams of its own, derived
+        from its index in the whole list, so its samples do not depend on how the list was split. vLLM gives
+        child j of a request seeded s the seed s + j, so prompt seeds are n apart: no two samples share a stream.
+        """
         from vllm import SamplingParams, TokensPrompt
 
         if self.asleep:  # waking here would sample from the weights it slept with, not the trainer's newest
             raise RuntimeError("the vLLM engine is asleep: load_weights (the refit) wakes it")
-        # One seed per prompt: a single seed shared by all requests would feed every prompt the same random
-        # draws, correlating samples across groups.
-        sps = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0,
-                              min_tokens=min_tokens, seed=None if seed is None else seed * 1_000_003 + first_index + i)
-               for i in range(len(prompts))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=progress)
+        caps = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+        per_prompt = seed is not None and first_index is not None
+        sps = [SamplingParams(n=n, max_tokens=cap, temperature=temperature, top_p=top_p, logprobs=0,
+                              min_tokens=min(min_tokens, cap), detokenize=False,  # the caller decodes what it needs
+                              seed=((seed << 32) + (first_index + i) * n) if per_prompt else None)
+               for i, cap in enumerate(caps)]
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        if seed is None or per_prompt:
+            outs = self.llm.generate(requests, sps, use_tqdm=progress)
+        else:  # vLLM draws from torch's default generator; the trainer's RNG state is put back afterwards
+            with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+                torch.manual_seed(seed)
+                outs = self.llm.generate(requests, sps, use_tqdm=progress)
         samples = []
         for i, out in enumerate(outs):
             for c in out.outputs:
@@ -134,18 +162,24 @@ class VLLMEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.asleep:
-            self.llm.wake_up(tags=["weights"])  # first: waking restores the weights it slept with
+            self.llm.wake_up(tags=["weights"])  # memory for the weights first; the refit writes every one of them
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.collective_rpc(_retie_lm_head)
         if self.asleep:
+            gc.collect()
+            torch.cuda.empty_cache()  # the trainer's freed blocks go back to the GPU, where the KV cache wakes
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
     def sleep(self) -> None:
         if self.can_sleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self.asleep = True
+
+    def close(self) -> None:
+        """Shut the engine down now (its groups, its memory), not at interpreter exit: distributed.close says why."""
+        self.llm.llm_engine.engine_core.shutdown()
 
 
 def _retie_lm_head(worker) -> None:
@@ -245,21 +279,26 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False,
-                 min_tokens=0, first_index=0) -> list[Sample]:
-        """first_index is accepted and unused: generate draws every sample from one torch stream seeded with `seed`,
-        so a split of the prompts over engines changes the draws (eval_aime.py under torchrun wants vLLM)."""
+                 min_tokens=0, first_index=None) -> list[Sample]:
+        """Every sample comes from one torch stream seeded with `seed` (and first_index, so engines that split a
+        list draw different noise); a split of the list over engines still changes the draws, unlike vLLM's.
+        Per-prompt limits: a batch generates up to its largest, and each response is cut at its own (generation
+        is causal: the tokens up to a limit are those a run stopped there would have drawn)."""
         from tqdm import tqdm
 
         if seed is not None:
-            torch.manual_seed(seed)
+            torch.manual_seed(seed if first_index is None else hash((seed, first_index)))
+        caps = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         flat = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
         samples = []
         for s in tqdm(range(0, len(flat), self.batch_size), desc="generate", disable=not progress, leave=False):
-            samples += self._generate_batch(flat[s : s + self.batch_size], max_tokens, temperature, top_p, min_tokens,
+            batch = flat[s : s + self.batch_size]
+            samples += self._generate_batch(batch, [caps[i] for i, _ in batch], temperature, top_p, min_tokens,
                                             self.fast_cpu_decode)
         return samples
 
-    def _generate_batch(self, flat, max_tokens, temperature, top_p, min_tokens=0, fast=False) -> list[Sample]:
+    def _generate_batch(self, flat, caps, temperature, top_p, min_tokens=0, fast=False) -> list[Sample]:
+        caps = caps if isinstance(caps, list) else [caps] * len(flat)
         width = max(len(p) for _, p in flat)
         ids = torch.full((len(flat), width), self.pad, dtype=torch.long)  # left-padded for generate
         am = torch.zeros_like(ids)
@@ -275,8 +314,8 @@ class HFEngine:
         greedy = temperature == 0
         rec = _SampledLogprobs(temperature or 1.0)
         out = self.model.generate(
-            input_ids=ids.to(self.model.device), attention_mask=am.to(self.model.device), max_new_tokens=max_tokens,
-            min_new_tokens=min_tokens or None, do_sample=not greedy, temperature=None if greedy else temperature,
+            input_ids=ids.to(self.model.device), attention_mask=am.to(self.model.device), max_new_tokens=max(caps),
+            min_new_tokens=min(min_tokens, *caps) or None, do_sample=not greedy, temperature=None if greedy else temperature,
             top_p=None if greedy else top_p, top_k=None, eos_token_id=self.eos, pad_token_id=self.pad,
             logits_processor=LogitsProcessorList([rec]), return_dict_in_generate=True,
             # never on GPU: there transformers would torch.compile the model for a static cache, per batch shape
@@ -287,13 +326,16 @@ class HFEngine:
         new = new.cpu()
         samples = []
         for r, (i, _) in enumerate(flat):
-            toks = new[r].tolist()
+            toks = new[r, : caps[r]].tolist()
             k = toks.index(self.eos) + 1 if self.eos in toks else len(toks)
             samples.append(Sample(i, toks[:k], logp[r, :k].tolist(), truncated=self.eos not in toks[:k]))
         return samples
 
     def sleep(self) -> None:
         """Nothing to free: generate keeps no cache between calls."""
+
+    def close(self) -> None:
+        """Nothing to release: the model is freed with the engine."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.model.named_parameters())

@@ -106,15 +106,16 @@ def bf16_compute(cfg, device) -> bool:
 
 
 def autocast(cfg, device):
-    """bf16 compute for a single process; FSDP2 casts sharded models itself (distributed.shard), on GPU and CPU."""
-    on = bf16_compute(cfg, device) and dist.world_size() == 1
-    return torch.autocast(device.type, torch.bfloat16, enabled=on)
+    """The one precision policy, at any world size: float32 weights (sharded or not), matmuls in bf16 where
+    bf16_compute, while norms, softmax, the residual stream and the LM head (model.py) stay float32."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=bf16_compute(cfg, device))
 
 
 def setup_process(cfg) -> tuple[torch.device, bool]:
     """(device, bf16) of this rank, after setting its torch threads and seed; on CPU, glibc keeps freed memory for
     the next step (no page faults on every step's activations: distributed.reuse_freed_memory)."""
-    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    # torchrun starts one process per GPU (or per share of a CPU): they divide the node's cores among them
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // dist.local_world_size()))
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu":
@@ -122,19 +123,41 @@ def setup_process(cfg) -> tuple[torch.device, bool]:
     return device, bf16_compute(cfg, device)
 
 
-def peak_memory_gib(device) -> float:
-    """This rank's peak memory: GPU memory allocated by torch, or the process's peak resident set on CPU."""
+def reset_peak_memory(device) -> None:
+    """Start a new peak for peak_memory_gib: on GPU torch's peak statistic; on CPU the process's resident peak
+    (Linux's VmHWM, reset by writing 5 to /proc/self/clear_refs)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:  # not Linux: the peak since the process started
+        pass
 
 
-def load_trainable(path: str, device, bf16: bool, checkpointing: bool, trust_remote_code: bool = False,
+def peak_memory_gib(device) -> float:
+    """The peak over all ranks since reset_peak_memory (a collective): GPU memory allocated by torch, or a
+    process's peak resident set on CPU. Called while a colocated engine sleeps, on GPU it is the trainer's alone
+    (vLLM allocates through torch's allocator, so its memory counts while it is awake)."""
+    if device.type == "cuda":
+        gib = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        try:
+            kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+        except (OSError, StopIteration):
+            kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux
+        gib = kib / 2**20
+    return dist.all_reduce_max(torch.tensor([gib])).item()
+
+
+def load_trainable(path: str, device, checkpointing: bool, trust_remote_code: bool = False,
                    dtype: torch.dtype = torch.float32) -> M.LogprobModel:
     """An HF model in float32 (the optimizer's master weights), wrapped to return logprobs, sharded over ranks.
-    The tests pass float64 to compare world sizes and micro-batchings without float32's summation-order noise."""
-    lm = M.load_model(path, dtype=dtype, trust_remote_code=trust_remote_code).to(device)
-    return dist.shard(M.LogprobModel(lm), lm, bf16_compute=bf16, checkpointing=checkpointing)
+    The tests pass float64 to compare world sizes and micro-batchings without float32's summation-order noise.
+    Loaded on the CPU and sharded before it reaches the device, so no GPU holds the whole float32 model
+    (distributed.shard). bf16 compute is autocast's (autocast), the same at any world size."""
+    lm = M.load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    return dist.shard(M.LogprobModel(lm), lm, checkpointing=checkpointing).to(device)
 
 
 class CtrlC:
@@ -262,7 +285,8 @@ def resume(folder: Path, policy, opt, sched, stream) -> tuple[Path, int] | None:
 
 def save_hf(lm, tok, folder: Path) -> None:
     """An HF checkpoint (config, safetensors, tokenizer) that transformers and vLLM load directly. A collective
-    under FSDP (every rank gathers); rank 0 writes it aside and renames it into place, never half-written."""
+    under FSDP (every rank gathers, only rank 0 keeps a full copy); rank 0 writes it aside and renames it into
+    place, never half-written."""
     state = dist.full_state_dict(lm)
     if dist.is_main():
         folder, tmp = Path(folder), Path(str(folder) + ".tmp")
@@ -286,7 +310,7 @@ def export_hf(argv: list[str], script: str) -> None:
     cfg = meta["config"]
     path = cfg.get("init_from") or M.resolve(cfg["model"])
     remote = cfg.get("trust_remote_code", False)
-    policy = load_trainable(path, torch.device("cpu"), False, False, remote)
+    policy = load_trainable(path, torch.device("cpu"), False, remote)
     dist.load_checkpoint(ckpt, policy, None)
     save_hf(policy.lm, M.load_tokenizer(path, remote), out)
     print(f"exported step {meta['step']} of {ckpt} to {out}")

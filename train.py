@@ -44,12 +44,15 @@ class Config:
     model: str = "tiny"  # HF path or hub name; "tiny" / "tiny-math": the built-in demo / math-recipe base (built once)
     engine: Literal["vllm", "hf"] = "vllm"  # rollout engine: colocated vLLM, or HF generate (no vLLM needed)
     tensor_parallel_size: int = 1  # vLLM tensor parallelism over this many consecutive ranks (one engine per group)
+    gpu_memory_utilization: float = 0.6  # GPU memory share vLLM may take for its weights and KV cache while it
+    #   generates (it frees it while the trainer runs); the stage presets size it to the stage's KV cache
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
     # compute and engine dtype (weights and optimizer stay float32); auto: bfloat16 on GPU, float32 on CPU, where
     # bfloat16 pays only on CPUs with bf16 instructions (avx512_bf16, AMX): see docs/engines.md
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long sequences)
-    dist_timeout_s: int = 600  # a collective waiting longer than this fails the run instead of hanging
+    dist_timeout_s: int = 1800  # a collective waiting longer than this fails the run instead of hanging (it must
+    #   outlast the slowest rank's rollout: the others wait for it in the next collective)
     max_skipped_steps: int = 3  # stop after this many consecutive updates skipped for a non-finite loss or gradient
     # the task
     task: Literal["sum3", "math"] = "sum3"  # sum3: the synthetic demo task; math: problems from --data, boxed answers
@@ -67,9 +70,11 @@ class Config:
     group_size: int = 8  # G: samples per prompt
     minibatch_size: int = 0  # sequences per optimizer step; 0 = the whole step's P*G samples (one update per step)
     micro_batch_tokens: int = 8192  # token budget of one forward/backward (padded tokens); bounds activation memory
-    max_new_tokens: int = 8  # response length limit
+    max_new_tokens: int = 8  # response length limit; a response also stops where prompt + response reach max_seq_len
     min_new_tokens: int = 0  # training responses are at least this long (EOS masked before): fixed-length benchmarks
-    max_seq_len: int = 64  # prompt + response; prompts longer than max_seq_len - max_new_tokens are rejected
+    max_seq_len: int = 64  # prompt + response: each response gets what its prompt leaves, up to max_new_tokens
+    max_prompt_len: int = 0  # longer prompts are dropped; 0 = max_seq_len - max_new_tokens (every response has
+    #   its full max_new_tokens)
     temperature: float = 1.0  # sampling temperature (the trainer's logprobs use the same one)
     top_p: float = 1.0  # nucleus sampling; keep 1.0 for training (the trainer does not renormalize)
     # optimizer
@@ -103,7 +108,7 @@ class Config:
     eval_samples: int = 4  # samples per held-out prompt for pass@1 (temperature = --temperature)
     out_dir: str = ""  # run folder; default runs/<date-time>
     seed: int = 0  # seeds data order, init of sampling, and torch
-    threads: int = 0  # torch CPU threads; 0 = all cores
+    threads: int = 0  # torch CPU threads; 0 = this node's cores shared among its ranks
     logprob_chunk_tokens: int = 1024  # positions per LM-head chunk when computing logprobs (memory bound)
     save_final: bool = True  # write the final weights as an HF checkpoint to <out_dir>/final
     checkpoint_every: int = 50  # sharded checkpoint (model, optimizer, RNG, data order) every N steps and at the end; 0 = never
@@ -117,14 +122,21 @@ class Config:
 
 
 # DeepScaleR's three stages as NeMo-RL ran them on 8 GPUs (README: Math, the DeepScaleR recipe). Each stage starts
-# from the previous one's final checkpoint (--init-from). Responses get what the prompt (at most 1024 tokens) leaves.
+# from the previous one's final checkpoint (--init-from). As in NeMo-RL, each response gets all that its prompt
+# leaves of max_seq_len (prompts of at most 1024 tokens). vLLM's share of each GPU holds the weights and the KV
+# cache of a rank's 128 sequences, 28 KiB per token at 1.5B: 0.6 of 80 GB fits them at 8K; at 16K and 24K the
+# shares are as large as the trainer's resident state allows, and long groups preempt (docs/distributed.md).
 _DEEPSCALER = dict(task="math", prompts_per_step=128, group_size=8, minibatch_size=64, weight_decay=0.01,
                    warmup_steps=50, grad_clip=1.0, temperature=1.0, eps_low=0.2, activation_checkpointing=True,
-                   eval_every=10, eval_samples=16, detailed_progress=True, leave_one_out=True)
+                   eval_every=10, eval_samples=16, detailed_progress=True, leave_one_out=True, max_prompt_len=1024,
+                   dist_timeout_s=3600)
 STAGES = {
-    1: dict(_DEEPSCALER, max_seq_len=8192, max_new_tokens=8192 - 1024, lr=2e-6, kl_beta=0.0, eps_high=0.2, steps=240),
-    2: dict(_DEEPSCALER, max_seq_len=16384, max_new_tokens=16384 - 1024, lr=2e-6, kl_beta=1e-3, eps_high=0.28, steps=290),
-    3: dict(_DEEPSCALER, max_seq_len=24576, max_new_tokens=24576 - 1024, lr=5e-7, kl_beta=1e-4, eps_high=0.28, steps=50),
+    1: dict(_DEEPSCALER, max_seq_len=8192, max_new_tokens=8192, lr=2e-6, kl_beta=0.0, eps_high=0.2, steps=240,
+            gpu_memory_utilization=0.6),
+    2: dict(_DEEPSCALER, max_seq_len=16384, max_new_tokens=16384, lr=2e-6, kl_beta=1e-3, eps_high=0.28, steps=290,
+            gpu_memory_utilization=0.8),
+    3: dict(_DEEPSCALER, max_seq_len=24576, max_new_tokens=24576, lr=5e-7, kl_beta=1e-4, eps_high=0.28, steps=50,
+            gpu_memory_utilization=0.85),
 }
 STAGES[4] = dict(STAGES[1], pg="gspo", token_level=False)  # NeMo-RL's grpo-gspo-deepscaler-1.5b-8K: stage 1 + GSPO
 
@@ -155,18 +167,20 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     device, bf16 = runtime.setup_process(cfg)
     out = runtime.run_folder(cfg)
     task = load_task(cfg)
-    policy = runtime.load_trainable(task.path, device, bf16, cfg.activation_checkpointing, cfg.trust_remote_code)
+    policy = runtime.load_trainable(task.path, device, cfg.activation_checkpointing, cfg.trust_remote_code)
     ref = None
     if cfg.kl_beta > 0:  # the frozen initial model, sharded like the policy, only when the KL term is on
-        ref = runtime.load_trainable(task.path, device, bf16, False, cfg.trust_remote_code).eval().requires_grad_(False)
+        ref = runtime.load_trainable(task.path, device, False, cfg.trust_remote_code).eval().requires_grad_(False)
     engine_dtype = torch.bfloat16 if bf16 else torch.float32
+    own_engine = engine is None  # an engine the caller brought is the caller's to close
     engine = engine or make_engine(cfg, task.path, engine_dtype, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_factor(s, cfg.warmup_steps))
     stream = data.PromptStream(len(task.train), cfg.seed)
     evaluate = lambda step: eval_aime.heldout_accuracy(  # noqa: E731
         engine, task.tok, task.heldout_prompts, [p.answer for p in task.heldout], task.reward_fn, cfg.eval_samples,
-        cfg.max_new_tokens, cfg.temperature, cfg.seed + step, cfg.tensor_parallel_size, _bars(cfg))
+        [budget(cfg, p) for p in task.heldout_prompts], cfg.temperature, cfg.seed + step, cfg.tensor_parallel_size,
+        _bars(cfg))
     start, history, log = runtime.resume_or_start(out, cfg, policy, opt, sched, stream, first_row=lambda: evaluate(0))
     if start:
         engine.load_weights(dist.full_weights(policy.lm, engine_dtype))  # the engine samples from resumed weights
@@ -181,23 +195,25 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         t0, times = time.time(), {}
         # 1-3. this rank's share of the step's prompts, G responses each, scored
         groups = collect_groups(engine, task, stream, cfg, step, times)
-        engine.sleep()  # on GPU the trainer gets the KV cache's memory until the refit wakes the engine
+        engine.sleep()  # on GPU the trainer gets the engine's memory until the refit wakes the engine
+        runtime.reset_peak_memory(device)  # peak_mem_gib: the trainer's peak, steps 4-6
         # 4. advantages: each response's reward against its group's
         adv = grpo.group_advantages(groups.rewards, cfg.leave_one_out, cfg.adv_scale,
                                     batch_std=batch_std(groups.rewards, cfg))  # [P, G]
         batch = make_batch(groups.prompts, groups.samples, adv.flatten(), cfg.overlong_filter, task.tok.pad_token_id)
         # 5-6. old (and reference) logprobs, then one AdamW step per minibatch
         upd = update_policy(policy, ref, opt, sched, batch, cfg, device, rank * (cfg.prompts_per_step // world), times)
+        peak_gib = runtime.peak_memory_gib(device)
         bad_steps = runtime.skipped_in_a_row(bad_steps, upd.skipped, step, cfg, out)
         # 7. refit: the engine samples the next step from the new weights
         with runtime.timed(times, "refit"):
             engine.load_weights(dist.full_weights(policy.lm, engine_dtype))
         # 8. metrics over all ranks, held-out evaluation, checkpoint
-        row = step_metrics(step, groups, batch, adv, upd, sched, times)
+        row = step_metrics(step, groups, batch, adv, upd, sched, times, peak_gib)
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             last_eval = evaluate(step)
             row.update(last_eval)
-        row.update(peak_mem_gib=runtime.peak_memory_gib(device), time_step=time.time() - t0)
+        row.update(time_step=time.time() - t0)
         row.update(tokens_per_s=row["response_len_mean"] * row["seqs"] / row["time_step"], elapsed=time.time() - t_start)
         history.append(row)
         if log:
@@ -213,14 +229,14 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         if cfg.plot:
             plot(out)
     if stop:
-        dist.close()
+        dist.close(engine if own_engine else None)
         raise SystemExit(130)
     if cfg.save_final:
         runtime.save_hf(policy.lm, task.tok, out / "final")
     summary = dict(out_dir=str(out), minutes=(time.time() - t_start) / 60,
                    first=history[0], last={k: v for k, v in history[-1].items() if k.startswith("heldout")})
     dist.print0(json.dumps(summary))
-    dist.close()
+    dist.close(engine if own_engine else None)
     return dict(history=history, out_dir=str(out))
 
 
@@ -255,11 +271,12 @@ def collect_groups(engine, task: "Task", stream: data.PromptStream, cfg: Config,
     drawn = zero = rounds = 0
     while True:
         ids = stream.take(cfg.prompts_per_step)[dp_rank * share : (dp_rank + 1) * share]
+        prompts = [task.train_prompts[i] for i in ids]
         with runtime.timed(times, "generate"):
-            new = engine.generate([task.train_prompts[i] for i in ids], n=G, max_tokens=cfg.max_new_tokens,
+            new = engine.generate(prompts, n=G, max_tokens=[budget(cfg, p) for p in prompts],
                                   temperature=cfg.temperature, top_p=cfg.top_p, progress=_bars(cfg),
                                   min_tokens=cfg.min_new_tokens,
-                                  seed=cfg.seed * 100_003 + step * 1009 + rounds * 101 + dp_rank)
+                                  seed=hash((cfg.seed, step, rounds, dp_rank)))  # one stream per engine and round
         with runtime.timed(times, "score"):
             r = torch.tensor([task.reward_fn(task.tok.decode(s.token_ids, skip_special_tokens=True),
                                              task.train[ids[s.prompt_idx]].answer) for s in new]).view(len(ids), G)
@@ -278,6 +295,12 @@ def collect_groups(engine, task: "Task", stream: data.PromptStream, cfg: Config,
                   samples=[replace(s, prompt_idx=k) for k, (_, group, _) in enumerate(kept) for s in group],
                   rewards=torch.stack([r for _, _, r in kept]),  # P < per_rank when dynamic sampling ran short
                   drawn=drawn, zero_variance=zero, rounds=rounds)
+
+
+def budget(cfg: Config, prompt: list[int]) -> int:
+    """A response's length limit: what its prompt leaves of --max-seq-len, at most --max-new-tokens (NeMo-RL caps
+    each request at the engine's max_model_len minus its prompt's length)."""
+    return min(cfg.max_new_tokens, cfg.max_seq_len - len(prompt))
 
 
 def batch_std(rewards: torch.Tensor, cfg: Config) -> float | None:
@@ -332,7 +355,16 @@ def make_batch(prompts: list[list[int]], samples: list[rollout.Sample], advantag
 
 
 def rows_of(b: Batch, rows: list[int]) -> dict:
-    """The tensors of a subset of rows, trimmed to their own longest sequence and response."""
+    """The tensors of a subset of rows, trimmed to their own longest sequence and response.
+
+    No rows: FSDP's stand-in for a rank with fewer micro-batches than another (distributed.micro_batches), one row
+    of two tokens (a prompt token and a response token, so every parameter takes part, as FSDP's gradient
+    reduction needs) with zero weight: it costs what two tokens cost, whatever the length of the batch's rows."""
+    if not rows:
+        zeros = lambda *shape, t=b.gen_logp: torch.zeros(*shape, dtype=t.dtype)  # noqa: E731
+        return dict(input_ids=torch.zeros(1, 2, dtype=torch.long), attention_mask=torch.ones(1, 2, dtype=torch.long),
+                    resp_start=torch.tensor([1]), T=1, resp_mask=zeros(1, 1), gen_logp=zeros(1, 1),
+                    advantages=zeros(1, t=b.advantages), loss_mask=zeros(1, 1, t=b.loss_mask))
     idx = torch.tensor(rows)
     L = max(b.lengths[r] for r in rows)
     T = int(b.resp_mask[idx].sum(1).max().clamp(min=1))
@@ -372,7 +404,7 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, device, group_
     with runtime.timed(times, "logprobs"):
         for rows in dist.micro_batches(b.lengths, list(range(N)), cfg.micro_batch_tokens) \
                 if (not single or ref is not None) else []:
-            mb = rows_of(b, rows or [0])
+            mb = rows_of(b, rows)
             for m, out in ((policy, old_logp), (ref, ref_logp)):
                 if m is not None and (m is ref or not single):
                     lp = _logprobs(m, mb, cfg, device, grad=False)[0].cpu()
@@ -389,18 +421,19 @@ def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, device, group_
         counts = torch.tensor([b.loss_mask[rows].sum().item(), float((b.loss_mask[rows].sum(1) > 0).sum())])
         dist.all_reduce_sum(counts)  # the global normalizer: the gradient does not depend on world size or splits
         norm = max(float(counts[0] if cfg.token_level else counts[1]), 1.0)
-        for mrows in dist.micro_batches(b.lengths, rows, cfg.micro_batch_tokens):
-            mb = rows_of(b, mrows or [rows[0] if rows else 0])
+        micro = dist.micro_batches(b.lengths, rows, cfg.micro_batch_tokens)
+        for k, mrows in enumerate(micro):
+            mb = rows_of(b, mrows)
             logp, entropy = _logprobs(policy, mb, cfg, device, grad=True)  # [n, T]
-            old = logp.detach().cpu() if single else old_logp[mrows or [0], : mb["T"]]
+            old = logp.detach().cpu() if single or not mrows else old_logp[mrows, : mb["T"]]
             if single and mrows:
                 old_logp[mrows, : mb["T"]] = old
-            loss_mask = mb["loss_mask"].to(device) * (1.0 if mrows else 0.0)  # an empty micro-batch weighs 0
             loss, metrics = grpo.policy_loss(
-                logp, old.to(device), mb["advantages"].to(device), loss_mask, loss_cfg, num_tokens=norm,
-                ref_logp=ref_logp[mrows or [0], : mb["T"]].to(device) if ref is not None else None,
-                gen_logp=mb["gen_logp"].to(device))
-            (loss * dist.loss_scale()).backward()
+                logp, old.to(device), mb["advantages"].to(device), mb["loss_mask"].to(device), loss_cfg,
+                num_tokens=norm, ref_logp=(ref_logp[mrows, : mb["T"]] if mrows else torch.zeros_like(old)).to(device)
+                if ref is not None else None, gen_logp=mb["gen_logp"].to(device))
+            with dist.gradient_sync(policy, k == len(micro) - 1):  # one gradient reduction per minibatch
+                (loss * dist.loss_scale()).backward()
             if mrows:
                 metrics["loss"] = loss.detach()
                 metrics["entropy"] = (entropy.detach() * mb["resp_mask"].to(device)).sum()
@@ -511,17 +544,23 @@ def model_path(cfg: Config) -> str:
 
 
 def encode_prompts(cfg: Config, tok, problems: list[data.Problem], template: str | None, what: str):
-    """Prompt token ids; prompts longer than max_seq_len - max_new_tokens are dropped, counted and reported."""
-    limit = cfg.max_seq_len - cfg.max_new_tokens
+    """Prompt token ids; prompts longer than prompt_limit(cfg) are dropped, counted and reported."""
+    limit = prompt_limit(cfg)
     ids = [tok(p.prompt)["input_ids"] if cfg.task == "sum3" else data.math_prompt(tok, p.prompt, template)
            for p in problems]
     keep = [i for i, p in enumerate(ids) if len(p) <= limit]
     if len(keep) < len(ids):
-        dist.print0(f"dropped {len(ids) - len(keep)} of {len(ids)} {what} prompts longer than {limit} tokens "
-                    f"(--max-seq-len {cfg.max_seq_len} - --max-new-tokens {cfg.max_new_tokens})")
+        why = f"--max-prompt-len {limit}" if cfg.max_prompt_len else \
+            f"--max-seq-len {cfg.max_seq_len} - --max-new-tokens {cfg.max_new_tokens}"
+        dist.print0(f"dropped {len(ids) - len(keep)} of {len(ids)} {what} prompts longer than {limit} tokens ({why})")
     if not keep and problems:
         raise SystemExit(f"error: every {what} prompt is longer than {limit} tokens; raise --max-seq-len")
     return [problems[i] for i in keep], [ids[i] for i in keep]
+
+
+def prompt_limit(cfg: Config) -> int:
+    """The longest prompt a run keeps: --max-prompt-len, else what leaves every response its --max-new-tokens."""
+    return cfg.max_prompt_len or cfg.max_seq_len - cfg.max_new_tokens
 
 
 def make_engine(cfg: Config, path: str, dtype: torch.dtype, device) -> rollout.Engine:
@@ -530,7 +569,8 @@ def make_engine(cfg: Config, path: str, dtype: torch.dtype, device) -> rollout.E
     tp = cfg.tensor_parallel_size
     return rollout.VLLMEngine(path, max_model_len=cfg.max_seq_len, seed=cfg.seed + dist.rank() // tp,
                               dtype=str(dtype).removeprefix("torch."), external_launcher=dist.world_size() > 1,
-                              tensor_parallel_size=tp, trust_remote_code=cfg.trust_remote_code)
+                              gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=tp,
+                              trust_remote_code=cfg.trust_remote_code)
 
 
 def _bars(cfg: Config) -> bool:
@@ -550,8 +590,14 @@ def validate(cfg: Config, world: int) -> None:
          f"groups) dividing prompts_per_step * group_size = {cfg.prompts_per_step * cfg.group_size}"),
         (0 <= cfg.min_new_tokens <= cfg.max_new_tokens,
          f"--min-new-tokens {cfg.min_new_tokens}: must be in [0, --max-new-tokens {cfg.max_new_tokens}]"),
-        (0 < cfg.max_new_tokens < cfg.max_seq_len,
-         f"--max-new-tokens {cfg.max_new_tokens}: must be positive and below --max-seq-len {cfg.max_seq_len}"),
+        (0 < cfg.max_new_tokens <= cfg.max_seq_len,
+         f"--max-new-tokens {cfg.max_new_tokens}: must be positive and at most --max-seq-len {cfg.max_seq_len}"),
+        (0 < prompt_limit(cfg) < cfg.max_seq_len,
+         f"--max-prompt-len {cfg.max_prompt_len}: must leave room for a response below --max-seq-len "
+         f"{cfg.max_seq_len} (0: --max-seq-len - --max-new-tokens)"),
+        (0 < cfg.gpu_memory_utilization < 1,
+         f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: must be a fraction in (0, 1)"),
+        (cfg.dist_timeout_s > 0, f"--dist-timeout-s {cfg.dist_timeout_s}: must be positive"),
         (cfg.tensor_parallel_size >= 1 and world % cfg.tensor_parallel_size == 0
          and (cfg.engine == "vllm" or cfg.tensor_parallel_size == 1),
          f"--tensor-parallel-size {cfg.tensor_parallel_size}: must divide the {world} ranks (vLLM engine only)"),

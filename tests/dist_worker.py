@@ -61,8 +61,8 @@ def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: 
     b = replace(b, gen_logp=b.gen_logp.double(), advantages=b.advantages.double())  # float64 end to end
     torch.manual_seed(0)
     cpu, f64 = torch.device("cpu"), torch.float64
-    policy = runtime.load_trainable(path, cpu, bf16=False, checkpointing=micro_tokens < 100, dtype=f64)
-    ref = runtime.load_trainable(path, cpu, bf16=False, checkpointing=False, dtype=f64).eval().requires_grad_(False)
+    policy = runtime.load_trainable(path, cpu, checkpointing=micro_tokens < 100, dtype=f64)
+    ref = runtime.load_trainable(path, cpu, checkpointing=False, dtype=f64).eval().requires_grad_(False)
     if opt_name == "adamw":
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     else:
@@ -82,7 +82,7 @@ def refit(out: Path, tp: int):
     engine = rollout.VLLMEngine(path, max_model_len=64, seed=rank // tp, dtype="float32", external_launcher=True,
                                 tensor_parallel_size=tp)
     lm = perturbed(path, seed=0)
-    policy = dist.shard(M.LogprobModel(lm), lm, bf16_compute=False, checkpointing=False)
+    policy = dist.shard(M.LogprobModel(lm), lm, checkpointing=False)
     t = time.time()
     engine.load_weights(dist.full_weights(lm))
     refit_s = time.time() - t

@@ -52,8 +52,8 @@ def updates(out_prefix: str) -> None:
         cfg = dpo.DPOConfig(micro_batch_tokens=micro_tokens, lr=lr, loss=loss, label_smoothing=eps, beta=0.5,
                             grad_clip=1.0 if optimizer == "adamw" else 1e9)
         torch.manual_seed(0)
-        policy = runtime.load_trainable(path, cpu, bf16=False, checkpointing=False, dtype=torch.float64)
-        ref = runtime.load_trainable(path, cpu, bf16=False, checkpointing=False, dtype=torch.float64)
+        policy = runtime.load_trainable(path, cpu, checkpointing=False, dtype=torch.float64)
+        ref = runtime.load_trainable(path, cpu, checkpointing=False, dtype=torch.float64)
         ref = ref.eval().requires_grad_(False)
         opt = (torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay) if optimizer == "adamw"
                else torch.optim.SGD(policy.parameters(), lr=cfg.lr))

@@ -164,7 +164,7 @@ def test_nan_in_the_loss_skips_the_update_and_keeps_the_weights(tiny_path, tok):
     adv[3] = float("nan")  # one poisoned sequence makes the loss and every gradient NaN
     b = train.make_batch(prompts, samples, adv, False, tok.pad_token_id)
     cfg = train.Config(prompts_per_step=8, group_size=4)
-    policy = runtime.load_trainable(tiny_path, torch.device("cpu"), False, False)
+    policy = runtime.load_trainable(tiny_path, torch.device("cpu"), False)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
