@@ -28,6 +28,7 @@ import ctypes
 import datetime
 import json
 import os
+import pickle
 import shutil
 import warnings
 from contextlib import contextmanager
@@ -317,7 +318,13 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
             dcp.load(state, checkpoint_id=str(path), no_dist=not _OURS)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     meta = json.loads((Path(path) / "meta.json").read_text())
-    return meta, torch.load(Path(path) / f"rank{rank()}.pt", weights_only=False)
+    # weights_only: tensors and plain Python types only; a pickle that would run code (a checkpoint from someone
+    # else) is refused, and resume() names the checkpoint and skips it
+    try:
+        return meta, torch.load(Path(path) / f"rank{rank()}.pt", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(f"rank{rank()}.pt holds more than tensors and plain Python values, refused: "
+                                     "loading it could run code") from e
 
 
 def close(engine=None) -> None:

@@ -442,6 +442,7 @@ def train_dpo(cfg: DPOConfig) -> dict:
     ctrl_c = runtime.CtrlC(install=__name__ == "__main__")
     for step in bar:
         t0 = time.time()
+        runtime.reset_peak_memory(device)
         ids = stream.take(cfg.batch_size)[rank * share : (rank + 1) * share]  # this rank's share of the global batch
         sums, grad_norm, skipped = update(policy, ref, opt, sched, [train_pairs[i] for i in ids], cfg.batch_size,
                                           cfg, device, tok.pad_token_id)

@@ -1,21 +1,32 @@
-"""Memory per GPU for GRPO training, estimated on paper from a model's config: `python memory.py [--config DIR]`.
+"""Memory per rank for GRPO training, estimated on paper from a model's config: `python memory.py [--config DIR]`.
 
-What it does: prints a markdown table (the one in docs/distributed.md) of the memory one rank needs at 8K, 16K and 24K
-tokens, for FSDP2 over N GPUs: float32 master weights, gradients and AdamW moments (sharded), bfloat16 copies
-gathered for compute, activations of one micro-batch with and without activation checkpointing, the chunked
-LM-head logits, and vLLM's share (its weights and KV cache for the rollouts). The default config is
-DeepSeek-R1-Distill-Qwen-1.5B's (Qwen2 architecture, untied embeddings: 1.78B parameters).
+What it does: prints a markdown table (the one in docs/distributed.md) of the memory one rank needs at 8K, 16K and
+24K tokens, as train.py runs the DeepScaleR stages: FSDP2 over N ranks with float32 weights, gradients and AdamW
+moments (sharded), float32 gathers for compute (bf16 matmuls come from autocast), activations of one micro-batch,
+the chunked LM head, the gradients a minibatch accumulates unsharded (one reduction per minibatch), and vLLM's
+part: the share of the GPU it takes while it generates (the stage preset's gpu_memory_utilization) against the KV
+cache a rank's sequences need. While the trainer runs, the engine sleeps and holds (almost) nothing.
+`--device cpu` estimates a CPU run instead (float32 compute, each rank's engine holding float32 weights and
+VLLM_CPU_KVCACHE_SPACE of KV cache, and the process's own libraries), the case docs/distributed.md measures.
+The default config is DeepSeek-R1-Distill-Qwen-1.5B's (Qwen2, untied embeddings: 1.78B parameters).
 
-What it does not do: measure. These are estimates; a GPU run records what they meet (docs/distributed.md).
-Activation bytes per token per layer (bf16, flash attention so no S^2 term; SwiGLU MLP):
-  attention: layer input, norm output, Q, K, V, attention output  -> 2 * (4H + 2 * kv_dim) bytes
-  MLP:       norm input and output, gate, up, SiLU(gate), product  -> 2 * (2H + 4I) bytes
-With checkpointing only each layer's input (2H bytes) is kept, plus one layer's full activations in recompute.
+What it does not do: measure. These are estimates; docs/distributed.md puts measurements beside them.
+Activation bytes per token per layer (b bytes per compute value: 2 in bf16, 4 in float32; flash attention, so no
+S^2 term; SwiGLU MLP):
+  attention: layer input, norm output, Q, K, V, attention output  -> b * (4H + 2 * kv_dim)
+  MLP:       norm input and output, gate, up, SiLU(gate), product  -> b * (2H + 4I)
+  backward of one layer: about as much again (the gradients of those activations)
+With checkpointing only each layer's input (4H bytes: the residual stream is float32) is kept, plus one layer's
+full activations and their gradients while it is recomputed.
 """
 
 from dataclasses import dataclass
+from typing import Literal
 
 GiB = 2**30
+GPU_GIB = 80.0  # an H100 / A100 80 GB
+# vLLM's share of each GPU in train.py's stage presets (kept equal by tests/test_math.py)
+STAGE_SHARES = {8192: 0.6, 16384: 0.8, 24576: 0.85}
 
 
 @dataclass
@@ -37,57 +48,104 @@ class Shape:
                    c.num_key_value_heads, c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)))
 
     def params(self) -> tuple[int, int]:
-        """(per decoder layer, everything else)"""
-        H, I, kv = self.hidden, self.intermediate, self.kv_heads * (self.hidden // self.heads)
+        """(per decoder layer, everything else: embedding, LM head, final norm)"""
+        H, I, kv = self.hidden, self.intermediate, self.kv_dim
         layer = H * (H + 2 * kv) + (H + 2 * kv) + H * H + 3 * H * I + 2 * H  # qkv (+bias), o, mlp, 2 norms
         rest = self.vocab * H * (1 if self.tied else 2) + H
         return layer, rest
 
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * (self.hidden // self.heads)
 
-def estimate(s: Shape, tokens: int, gpus: int = 8, chunk_tokens: int = 1024, vllm_fraction: float = 0.4,
-             gpu_gib: float = 80.0) -> dict[str, float]:
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return 2 * self.layers * self.kv_dim * dtype_bytes  # K and V of every layer
+
+
+def estimate(s: Shape, tokens: int, ranks: int = 8, seqs_per_rank: int = 128, chunk_tokens: int = 1024,
+             checkpointing: bool = True, micro_batches: int = 2, device: Literal["gpu", "cpu"] = "gpu",
+             vllm_fraction: float | None = None, gpu_gib: float = GPU_GIB, kv_cache_gib: float = 1.0,
+             process_gib: float = 1.0) -> dict[str, float]:
+    """GiB per rank, one micro-batch of `tokens` tokens. micro_batches: per minibatch on this rank (more than one:
+    the gradients accumulate unsharded until the minibatch's one reduction)."""
     layer, rest = s.params()
     P = layer * s.layers + rest
-    kv_dim = s.kv_heads * (s.hidden // s.heads)
-    act_layer = 2 * (4 * s.hidden + 2 * kv_dim) + 2 * (2 * s.hidden + 4 * s.intermediate)  # bytes / token / layer
-    return {
+    b = 2 if device == "gpu" else 4  # compute bytes: autocast's bf16 on GPU, float32 on CPU
+    H, I = s.hidden, s.intermediate
+    act_layer = b * (4 * H + 2 * s.kv_dim) + b * (2 * H + 4 * I)  # bytes / token / layer
+    if checkpointing:
+        acts = (4 * H * s.layers + 2 * act_layer) * tokens
+    else:
+        acts = (act_layer * s.layers + act_layer) * tokens
+    rows = {
         "parameters (B)": P / 1e9,
-        "fp32 weights (sharded)": 4 * P / gpus / GiB,
-        "fp32 gradients (sharded)": 4 * P / gpus / GiB,
-        "AdamW moments (sharded)": 8 * P / gpus / GiB,
-        "bf16 gathered (root + 1 layer)": 2 * (rest + layer) / GiB,
-        "activations, no checkpointing": act_layer * s.layers * tokens / GiB,
-        "activations, checkpointing": (2 * s.hidden * s.layers + act_layer) * tokens / GiB,
-        "LM-head chunk (fp32 logits, softmax)": 2 * 4 * chunk_tokens * s.vocab / GiB,
-        "vLLM weights (bf16)": 2 * P / GiB,
-        "vLLM KV cache, one sequence": 2 * s.layers * kv_dim * 2 * tokens / GiB,
-        "vLLM share (gpu_memory_utilization)": vllm_fraction * gpu_gib,
+        "fp32 weights (sharded)": 4 * P / ranks / GiB,
+        "AdamW moments (sharded)": 8 * P / ranks / GiB,
+        "fp32 gradients (sharded)": 4 * P / ranks / GiB,
+        "fp32 gradients accumulating (unsharded)": (4 * P if micro_batches > 1 and ranks > 1 else 0) / GiB,
+        "fp32 gathered: root + 2 layers": (4 * (rest + 2 * layer) if ranks > 1 else 0) / GiB,
+        "root's full gradients in backward (embedding, head)": (4 * rest if ranks > 1 and micro_batches == 1 else 0) / GiB,
+        "activations (one micro-batch)": acts / GiB,
+        "LM head: final hidden states (fp32)": 2 * 4 * H * tokens / GiB,  # the hidden states and the gathered rows
+        "LM head: one chunk's logits, softmax and their gradients": 4 * 4 * chunk_tokens * s.vocab / GiB,
     }
+    if device == "gpu":
+        share = STAGE_SHARES.get(tokens, 0.6) if vllm_fraction is None else vllm_fraction
+        rows["vLLM share while generating (gpu_memory_utilization)"] = share * gpu_gib
+        rows["vLLM weights (bf16)"] = 2 * P / GiB
+        rows["vLLM KV cache, a rank's sequences at full length"] = s.kv_bytes_per_token() * tokens * seqs_per_rank / GiB
+    else:
+        rows["vLLM weights (fp32, a full copy per rank)"] = 4 * P / GiB
+        rows["vLLM KV cache (VLLM_CPU_KVCACHE_SPACE)"] = kv_cache_gib
+        rows["the process itself (Python, torch, vLLM)"] = process_gib
+    return rows
+
+
+TRAINING = ("fp32 weights (sharded)", "AdamW moments (sharded)", "fp32 gradients (sharded)",
+            "fp32 gradients accumulating (unsharded)", "fp32 gathered: root + 2 layers",
+            "root's full gradients in backward (embedding, head)", "activations (one micro-batch)",
+            "LM head: final hidden states (fp32)", "LM head: one chunk's logits, softmax and their gradients")
+RESIDENT = ("fp32 weights (sharded)", "AdamW moments (sharded)")  # what the trainer keeps while vLLM generates
+
+
+def totals(rows: dict[str, float]) -> dict[str, float]:
+    """The sums a reader checks: the trainer's peak, and (GPU) whether vLLM's share fits beside what the trainer
+    keeps while it generates, and how much KV cache the share leaves; (CPU) the whole process's peak."""
+    train = sum(rows[k] for k in TRAINING)
+    if "vLLM share while generating (gpu_memory_utilization)" not in rows:
+        engine = sum(v for k, v in rows.items() if k.startswith(("vLLM", "the process")))
+        return {"training peak": train, "process peak (trainer + engine + libraries)": train + engine}
+    share = rows["vLLM share while generating (gpu_memory_utilization)"]
+    return {"training peak (vLLM asleep)": train,
+            "while generating: trainer's resident state + vLLM's share": sum(rows[k] for k in RESIDENT) + share,
+            "KV cache the share leaves (share - weights - ~2 GiB of activations)":
+                share - rows["vLLM weights (bf16)"] - 2.0}
 
 
 def table(s: Shape, lengths=(8192, 16384, 24576), **kw) -> str:
     rows = {n: estimate(s, n, **kw) for n in lengths}
-    keys = list(rows[lengths[0]])
-    out = ["| GiB per GPU | " + " | ".join(f"{n // 1024}K tokens" for n in lengths) + " |",
+    tots = {n: totals(rows[n]) for n in lengths}
+    out = ["| GiB per rank | " + " | ".join(f"{n // 1024}K tokens" for n in lengths) + " |",
            "|---|" + "---|" * len(lengths)]
-    for k in keys:
+    for k in rows[lengths[0]]:
         out.append(f"| {k} | " + " | ".join(f"{rows[n][k]:.2f}" for n in lengths) + " |")
-    static = ("fp32 weights (sharded)", "fp32 gradients (sharded)", "AdamW moments (sharded)",
-              "bf16 gathered (root + 1 layer)", "LM-head chunk (fp32 logits, softmax)")
-    for act in ("activations, no checkpointing", "activations, checkpointing"):
-        tot = [sum(rows[n][k] for k in static) + rows[n][act] for n in lengths]
-        name = "training total, " + act.split(", ")[1]
-        out.append(f"| **{name}** | " + " | ".join(f"**{t:.1f}**" for t in tot) + " |")
+    for k in tots[lengths[0]]:
+        out.append(f"| **{k}** | " + " | ".join(f"**{tots[n][k]:.1f}**" for n in lengths) + " |")
     return "\n".join(out)
 
 
 if __name__ == "__main__":
     import tyro
 
-    def main(config: str = "", gpus: int = 8, chunk_tokens: int = 1024, vllm_fraction: float = 0.4,
-             gpu_gib: float = 80.0):
-        """config: a local HF model folder (default: DeepSeek-R1-Distill-Qwen-1.5B's shape)."""
+    def main(config: str = "", ranks: int = 8, seqs_per_rank: int = 128, chunk_tokens: int = 1024,
+             checkpointing: bool = True, micro_batches: int = 2, device: Literal["gpu", "cpu"] = "gpu",
+             vllm_fraction: float | None = None, gpu_gib: float = GPU_GIB, lengths: tuple[int, ...] = (8192, 16384, 24576),
+             kv_cache_gib: float = 1.0, process_gib: float = 1.0):
+        """config: a local HF model folder (default: DeepSeek-R1-Distill-Qwen-1.5B's shape). vllm_fraction: vLLM's
+        GPU share (default: the stage preset's for 8K / 16K / 24K). micro_batches: per minibatch on one rank."""
         s = Shape.from_config(config) if config else Shape()
-        print(table(s, gpus=gpus, chunk_tokens=chunk_tokens, vllm_fraction=vllm_fraction, gpu_gib=gpu_gib))
+        print(table(s, lengths, ranks=ranks, seqs_per_rank=seqs_per_rank, chunk_tokens=chunk_tokens,
+                    checkpointing=checkpointing, micro_batches=micro_batches, device=device,
+                    vllm_fraction=vllm_fraction, gpu_gib=gpu_gib, kv_cache_gib=kv_cache_gib, process_gib=process_gib))
 
     tyro.cli(main)

@@ -11,7 +11,6 @@ What it does not do: decide what to generate (train.py), score responses (reward
 (distributed.py streams them; this file only consumes the stream).
 """
 
-import gc
 import logging
 import os
 import warnings
@@ -31,10 +30,13 @@ class Sample:
 
 
 class Engine(Protocol):
+    device_bytes: int  # what the engine holds in torch's GPU allocator, asleep or not (0 on CPU): the trainer's
+    #   peak memory is the device's peak less this
+
     def generate(
         self, prompts: list[list[int]], n: int, max_tokens: int | list[int], temperature: float = 1.0,
         top_p: float = 1.0, seed: int | None = None, progress: bool = False, min_tokens: int = 0,
-        first_index: int | None = None,
+        first_index: int = 0,
     ) -> list[Sample]:
         """n samples for each prompt, ordered prompt-major: samples of prompt i are [i*n, (i+1)*n).
         max_tokens: one limit, or one per prompt (what the prompt leaves of the sequence length).
@@ -63,8 +65,8 @@ class VLLMEngine:
     the weights are freed, the model's buffers kept), so the logprob and update passes get its memory back; the
     refit loads every weight anyway, so nothing needs to wait in host memory (level 1 would copy all of it out and
     back for nothing). The order is what keeps it correct: a sleeping engine refuses to generate, and load_weights
-    wakes the weights' memory first and writes the new weights into it, then empties torch's cache (the trainer's
-    freed activations) and wakes the KV cache, then drops cached prefixes. vLLM has no sleep mode on CPU; there
+    wakes the weights' memory first and writes the new weights into it (vLLM's reload copies into the same
+    tensors, so the next sleep frees them again), then wakes the KV cache, then drops cached prefixes. vLLM has no sleep mode on CPU; there
     sleep() does nothing. Alone (eval_aime.py) it takes most of the GPU and never sleeps.
 
     Its LM head runs in float32 (vLLM's `head_dtype` override), as the trainer's does (model.py): bf16 logits of
@@ -113,10 +115,12 @@ class VLLMEngine:
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = self.can_sleep
+        before = torch.cuda.memory_allocated() if not on_cpu else 0
         try:
             self.llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_threads
+        self.device_bytes = torch.cuda.memory_allocated() - before if not on_cpu else 0
         # Every refit of a tied model logs "ParallelLMHead: Failed to load weights" (the case _retie_lm_head
         # repairs) and "RotaryEmbedding: ..." (no weights to load); the logprob tests guard the real outcome.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
@@ -125,33 +129,28 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM start-up changed torch threads {threads} -> {torch.get_num_threads()}")
 
     def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False,
-                 min_tokens=0, first_index=None) -> list[Sample]:
+                 min_tokens=0, first_index=0) -> list[Sample]:
         """max_tokens: one limit for every prompt, or a list with one per prompt.
 
-        seed: reproducible samples, each from draws of its own. By default the whole call draws from one random
-        stream seeded with `seed`, which keeps vLLM's sampler on its batched path (a seed on each request makes it
-        loop over the requests in Python at every decode step). With first_index (the index of prompts[0] in a
-        larger list split over engines: evaluation under torchrun) each prompt gets streams of its own, derived
-        from its index in the whole list, so its samples do not depend on how the list was split. vLLM gives
-        child j of a request seeded s the seed s + j, so prompt seeds are n apart: no two samples share a stream.
+        seed: reproducible samples, each from a random stream of its own. Each prompt's streams are derived from
+        `seed` and its index in the whole list, first_index + i (first_index: the index of prompts[0] in a larger
+        list split over engines: ranks in training and evaluation), so its samples do not depend on how the list
+        was split, and two ranks never draw the same noise. vLLM gives child j of a request seeded s the seed
+        s + j, so prompt seeds are n apart: no two samples share a stream. On GPU (vLLM's model runner V2)
+        seeded requests cost nothing extra: its sampler's noise is a hash of (seed, position), for all rows at
+        once. Seeds are taken modulo 2^31 and shifted past the indices, so that two seeds never overlap.
         """
         from vllm import SamplingParams, TokensPrompt
 
         if self.asleep:  # waking here would sample from the weights it slept with, not the trainer's newest
             raise RuntimeError("the vLLM engine is asleep: load_weights (the refit) wakes it")
         caps = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-        per_prompt = seed is not None and first_index is not None
+        base = None if seed is None else (seed % 2**31) << 32
         sps = [SamplingParams(n=n, max_tokens=cap, temperature=temperature, top_p=top_p, logprobs=0,
                               min_tokens=min(min_tokens, cap), detokenize=False,  # the caller decodes what it needs
-                              seed=((seed << 32) + (first_index + i) * n) if per_prompt else None)
+                              seed=None if base is None else base + (first_index + i) * n)
                for i, cap in enumerate(caps)]
-        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        if seed is None or per_prompt:
-            outs = self.llm.generate(requests, sps, use_tqdm=progress)
-        else:  # vLLM draws from torch's default generator; the trainer's RNG state is put back afterwards
-            with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-                torch.manual_seed(seed)
-                outs = self.llm.generate(requests, sps, use_tqdm=progress)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=progress)
         samples = []
         for i, out in enumerate(outs):
             for c in out.outputs:
@@ -165,9 +164,7 @@ class VLLMEngine:
             self.llm.wake_up(tags=["weights"])  # memory for the weights first; the refit writes every one of them
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.collective_rpc(_retie_lm_head)
-        if self.asleep:
-            gc.collect()
-            torch.cuda.empty_cache()  # the trainer's freed blocks go back to the GPU, where the KV cache wakes
+        if self.asleep:  # vLLM's wake_up empties torch's cache first: the trainer's freed blocks make its room
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
@@ -229,6 +226,8 @@ class HFEngine:
         tok = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
         self.eos, self.pad = tok.eos_token_id, tok.pad_token_id
         self.batch_size = batch_size
+        on_gpu = self.model.device.type == "cuda"
+        self.device_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) if on_gpu else 0
         self.fast_cpu_decode = self.model.device.type == "cpu" and self._fast_cpu_decode_pays()
 
     def _fast_cpu_decode_pays(self) -> bool:
@@ -279,15 +278,16 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False,
-                 min_tokens=0, first_index=None) -> list[Sample]:
-        """Every sample comes from one torch stream seeded with `seed` (and first_index, so engines that split a
-        list draw different noise); a split of the list over engines still changes the draws, unlike vLLM's.
+                 min_tokens=0, first_index=0) -> list[Sample]:
+        """Every sample comes from one torch stream seeded with `seed` (mixed with first_index past the first
+        share, so engines that split a list draw different noise); a split of the list over engines still changes
+        the draws, unlike vLLM's.
         Per-prompt limits: a batch generates up to its largest, and each response is cut at its own (generation
         is causal: the tokens up to a limit are those a run stopped there would have drawn)."""
         from tqdm import tqdm
 
         if seed is not None:
-            torch.manual_seed(seed if first_index is None else hash((seed, first_index)))
+            torch.manual_seed(hash((seed, first_index)) if first_index else seed)
         caps = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         flat = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
         samples = []
@@ -315,7 +315,8 @@ class HFEngine:
         rec = _SampledLogprobs(temperature or 1.0)
         out = self.model.generate(
             input_ids=ids.to(self.model.device), attention_mask=am.to(self.model.device), max_new_tokens=max(caps),
-            min_new_tokens=min(min_tokens, *caps) or None, do_sample=not greedy, temperature=None if greedy else temperature,
+            min_new_tokens=min(min_tokens, max(caps)) or None,  # a row whose cap is below it is cut at its cap
+            do_sample=not greedy, temperature=None if greedy else temperature,
             top_p=None if greedy else top_p, top_k=None, eos_token_id=self.eos, pad_token_id=self.pad,
             logits_processor=LogitsProcessorList([rec]), return_dict_in_generate=True,
             # never on GPU: there transformers would torch.compile the model for a static cache, per batch shape

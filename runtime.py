@@ -108,14 +108,16 @@ def bf16_compute(cfg, device) -> bool:
 def autocast(cfg, device):
     """The one precision policy, at any world size: float32 weights (sharded or not), matmuls in bf16 where
     bf16_compute, while norms, softmax, the residual stream and the LM head (model.py) stay float32."""
-    return torch.autocast(device.type, torch.bfloat16, enabled=bf16_compute(cfg, device))
+    # no weight cache: under FSDP it would keep a bf16 copy of every layer's gathered weights until the forward ends
+    return torch.autocast(device.type, torch.bfloat16, enabled=bf16_compute(cfg, device), cache_enabled=False)
 
 
 def setup_process(cfg) -> tuple[torch.device, bool]:
     """(device, bf16) of this rank, after setting its torch threads and seed; on CPU, glibc keeps freed memory for
     the next step (no page faults on every step's activations: distributed.reuse_freed_memory)."""
     # torchrun starts one process per GPU (or per share of a CPU): they divide the node's cores among them
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // dist.local_world_size()))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(cfg.threads or max(1, cores // dist.local_world_size()))
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu":
@@ -124,29 +126,21 @@ def setup_process(cfg) -> tuple[torch.device, bool]:
 
 
 def reset_peak_memory(device) -> None:
-    """Start a new peak for peak_memory_gib: on GPU torch's peak statistic; on CPU the process's resident peak
-    (Linux's VmHWM, reset by writing 5 to /proc/self/clear_refs)."""
+    """On GPU, start a new peak for peak_memory_gib (each step's own). On CPU the peak stays the process's, which
+    is what decides whether a run fits in the machine's memory."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:  # not Linux: the peak since the process started
-        pass
 
 
-def peak_memory_gib(device) -> float:
-    """The peak over all ranks since reset_peak_memory (a collective): GPU memory allocated by torch, or a
-    process's peak resident set on CPU. Called while a colocated engine sleeps, on GPU it is the trainer's alone
-    (vLLM allocates through torch's allocator, so its memory counts while it is awake)."""
+def peak_memory_gib(device, engine_bytes: int = 0) -> float:
+    """The largest over all ranks (a collective) of: on GPU, the memory torch allocated since reset_peak_memory,
+    less `engine_bytes`, what a colocated engine holds in torch's allocator (vLLM's weights and KV cache stay
+    allocated tensors while it sleeps, their memory unmapped), so that it is the trainer's; on CPU, the process's
+    peak resident set, the engine's memory included."""
     if device.type == "cuda":
-        gib = torch.cuda.max_memory_allocated(device) / 2**30
+        gib = (torch.cuda.max_memory_allocated(device) - engine_bytes) / 2**30
     else:
-        try:
-            kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-        except (OSError, StopIteration):
-            kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux
-        gib = kib / 2**20
+        gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
     return dist.all_reduce_max(torch.tensor([gib])).item()
 
 

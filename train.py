@@ -203,7 +203,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         batch = make_batch(groups.prompts, groups.samples, adv.flatten(), cfg.overlong_filter, task.tok.pad_token_id)
         # 5-6. old (and reference) logprobs, then one AdamW step per minibatch
         upd = update_policy(policy, ref, opt, sched, batch, cfg, device, rank * (cfg.prompts_per_step // world), times)
-        peak_gib = runtime.peak_memory_gib(device)
+        peak_gib = runtime.peak_memory_gib(device, engine.device_bytes)
         bad_steps = runtime.skipped_in_a_row(bad_steps, upd.skipped, step, cfg, out)
         # 7. refit: the engine samples the next step from the new weights
         with runtime.timed(times, "refit"):
@@ -275,8 +275,8 @@ def collect_groups(engine, task: "Task", stream: data.PromptStream, cfg: Config,
         with runtime.timed(times, "generate"):
             new = engine.generate(prompts, n=G, max_tokens=[budget(cfg, p) for p in prompts],
                                   temperature=cfg.temperature, top_p=cfg.top_p, progress=_bars(cfg),
-                                  min_tokens=cfg.min_new_tokens,
-                                  seed=hash((cfg.seed, step, rounds, dp_rank)))  # one stream per engine and round
+                                  min_tokens=cfg.min_new_tokens, seed=hash((cfg.seed, step, rounds)) % 2**31,
+                                  first_index=dp_rank * share)  # the prompts' place in the step: streams of their own
         with runtime.timed(times, "score"):
             r = torch.tensor([task.reward_fn(task.tok.decode(s.token_ids, skip_special_tokens=True),
                                              task.train[ids[s.prompt_idx]].answer) for s in new]).view(len(ids), G)
@@ -477,8 +477,10 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
 # Step 8: metrics
 
 
-def step_metrics(step: int, groups: Groups, b: Batch, adv: torch.Tensor, upd: Update, sched, times: dict) -> dict:
-    """One metrics.jsonl row: sums over every rank, then the means NeMo-RL logs under the same names."""
+def step_metrics(step: int, groups: Groups, b: Batch, adv: torch.Tensor, upd: Update, sched, times: dict,
+                 peak_mem_gib: float) -> dict:
+    """One metrics.jsonl row: sums over every rank, then the means NeMo-RL logs under the same names.
+    peak_mem_gib: the trainer's peak in steps 4-6, the largest over ranks (runtime.peak_memory_gib)."""
     mm = grpo.mismatch_metrics(b.gen_logp, upd.old_logp, b.resp_mask)
     a = adv.flatten().double()
     local = {"reward": groups.rewards.sum(), "seqs": groups.rewards.numel(), "resp_tokens": b.resp_mask.sum(),
@@ -498,7 +500,7 @@ def step_metrics(step: int, groups: Groups, b: Batch, adv: torch.Tensor, upd: Up
         is_oob_frac=tot.get("is_oob", 0.0) / max(tot.get("is_units", 0.0), 1.0),
         zero_var_group_frac=tot["zero_var_groups"] / tot["groups"], adv_mean=adv_mean, skipped_updates=upd.skipped,
         adv_std=max(tot["adv_sq"] / n_seq - adv_mean**2, 0.0) ** 0.5, generation_rounds=groups.rounds,
-        lr=sched.get_last_lr()[0], **{f"time_{k}": v for k, v in times.items()},
+        lr=sched.get_last_lr()[0], peak_mem_gib=peak_mem_gib, **{f"time_{k}": v for k, v in times.items()},
     )
 
 
@@ -593,8 +595,9 @@ def validate(cfg: Config, world: int) -> None:
         (0 < cfg.max_new_tokens <= cfg.max_seq_len,
          f"--max-new-tokens {cfg.max_new_tokens}: must be positive and at most --max-seq-len {cfg.max_seq_len}"),
         (0 < prompt_limit(cfg) < cfg.max_seq_len,
-         f"--max-prompt-len {cfg.max_prompt_len}: must leave room for a response below --max-seq-len "
-         f"{cfg.max_seq_len} (0: --max-seq-len - --max-new-tokens)"),
+         f"--max-prompt-len {cfg.max_prompt_len}: must be positive and below --max-seq-len {cfg.max_seq_len}"
+         if cfg.max_prompt_len else f"--max-new-tokens {cfg.max_new_tokens}: leaves no room for a prompt in "
+         f"--max-seq-len {cfg.max_seq_len} (lower it, or set --max-prompt-len: responses then get what it leaves)"),
         (0 < cfg.gpu_memory_utilization < 1,
          f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: must be a fraction in (0, 1)"),
         (cfg.dist_timeout_s > 0, f"--dist-timeout-s {cfg.dist_timeout_s}: must be positive"),

@@ -3,7 +3,10 @@
   update OUT MICRO_TOKENS MINIBATCHES LR OPT [PG]   one GRPO update (OPT adamw or sgd; PG ppo, gspo or cispo) on a
                                                   fixed global batch, in float64; rank 0 saves the weights
   refit  OUT TP             shard, change the weights, refit each rank's vLLM engine (TP-sharded when TP > 1),
-                            compare its logprobs with the trainer's
+                            compare its logprobs with the trainer's; record the held-out evaluation's samples of
+                            four copies of one prompt, split over the engines
+  policy OUT                the process set-up and precision policy at --dtype bfloat16: threads per rank, the
+                            parameters after a no-grad forward, an HF export's dtypes
   die    OUT                rank 1 dies after a barrier; rank 0 waits in a collective
   hang   OUT                rank 1 hangs (sleeps) after a barrier; rank 0's collective must time out
 """
@@ -20,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import distributed as dist  # noqa: E402
+import eval_aime  # noqa: E402
 import grpo  # noqa: E402
 import model as M  # noqa: E402
 import rollout  # noqa: E402
@@ -94,7 +98,32 @@ def refit(out: Path, tp: int):
     with torch.no_grad():
         lp, _ = M.token_logprobs(policy, b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1])
     diff = float(((lp - b.gen_logp).abs() * b.resp_mask).sum() / b.resp_mask.sum())
-    Path(f"{out}.rank{rank}").write_text(json.dumps({"rank": rank, "world": world, "diff": diff, "refit_s": refit_s}))
+    seen = []  # (gold, response) in the order the evaluation scores them: k samples of each prompt, then greedy
+    eval_aime.heldout_accuracy(engine, tok, [prompts[0]] * 4, ["0", "1", "2", "3"],
+                               lambda text, gold: seen.append((gold, text)) or 0.0, k=2, max_tokens=16,
+                               temperature=2.0, seed=5, tp=tp)
+    Path(f"{out}.rank{rank}").write_text(json.dumps({"rank": rank, "world": world, "diff": diff, "refit_s": refit_s,
+                                                     "heldout_samples": seen[: 2 * (len(seen) // 3)]}))
+    dist.close(engine)
+
+
+def policy(out: Path):
+    rank, world = dist.init(120)
+    cfg = train.Config(dtype="bfloat16")  # threads 0: the node's cores shared among its ranks
+    device, bf16 = runtime.setup_process(cfg)
+    path = M.resolve(M.TINY)
+    tok = M.load_tokenizer(path)
+    pol = runtime.load_trainable(path, device, checkpointing=False)
+    ids = torch.tensor([tok("1+2+3=6")["input_ids"]])
+    with torch.no_grad(), runtime.autocast(cfg, device):
+        M.token_logprobs(pol, ids, torch.ones_like(ids), torch.tensor([6]), 2)
+    from torch.distributed.tensor import DTensor
+
+    params = {n: (isinstance(p, DTensor), str(p.dtype)) for n, p in pol.named_parameters()}
+    state = dist.full_state_dict(pol.lm)
+    runtime.save_hf(pol.lm, tok, out / "export")
+    Path(f"{out}.rank{rank}").write_text(json.dumps({"threads": torch.get_num_threads(), "bf16": bf16,
+                                                     "params": params, "full_state_dict": len(state)}))
     dist.close()
 
 
@@ -118,5 +147,5 @@ def hang(out: Path):
 
 if __name__ == "__main__":
     job, out = sys.argv[1], Path(sys.argv[2])
-    {"update": lambda: update(out, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6], *sys.argv[7:8]), "refit": lambda: refit(out, int(sys.argv[3])), "die": lambda: die(out),
+    {"update": lambda: update(out, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6], *sys.argv[7:8]), "refit": lambda: refit(out, int(sys.argv[3])), "die": lambda: die(out), "policy": lambda: policy(out),
      "hang": lambda: hang(out)}[job]()

@@ -141,3 +141,33 @@ def test_export_of_a_saved_step_loads_in_transformers_and_vllm(uninterrupted, tm
 def test_run_writes_the_curves_png(uninterrupted):
     png = uninterrupted / "curves.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+class _RunsCode:
+    """What a hostile rankN.pt would hold: unpickling it runs a shell command."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_in_one_line(uninterrupted, tmp_path, tiny_path, capsys):
+    import shutil
+
+    import data
+    import runtime
+
+    folder = tmp_path / "checkpoints"
+    shutil.copytree(uninterrupted / "checkpoints", folder)
+    marker = tmp_path / "PWNED"
+    torch.save({"torch_rng": _RunsCode(marker)}, folder / "step_000006" / "rank0.pt")
+    policy = runtime.load_trainable(tiny_path, torch.device("cpu"), False)
+    opt = torch.optim.AdamW(policy.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    resumed = runtime.resume(folder, policy, opt, sched, data.PromptStream(10, 0))
+    assert not marker.exists()  # nothing ran
+    assert resumed is not None and resumed[1] == 4  # the checkpoint before it
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "step_000006" in ln)
+    assert "is damaged (UnpicklingError: rank0.pt holds more than tensors" in line and "refused" in line

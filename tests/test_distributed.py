@@ -71,9 +71,42 @@ def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens
 def test_refit_from_shards_matches_trainer_on_each_rank(tmp_path, tiny_path, tp):
     r = torchrun(2, "refit", tmp_path / "refit", tp)
     assert r.returncode == 0, r.stderr[-3000:]
-    for rank in (0, 1):
-        res = json.loads((tmp_path / f"refit.rank{rank}").read_text())
-        assert res["world"] == 2 and res["diff"] < 1e-3, res
+    res = [json.loads((tmp_path / f"refit.rank{rank}").read_text()) for rank in (0, 1)]
+    for got in res:
+        assert got["world"] == 2 and got["diff"] < 1e-3, got
+    # the held-out evaluation of four copies of one prompt: every sample its own, also across engines (each prompt
+    # is seeded by its index in the whole list, not in a rank's share)
+    samples = [text for got in res[: 2 // tp] for _, text in got["heldout_samples"]]
+    assert len(samples) == 8 and len(set(samples)) == 8, samples
+    assert "Traceback" not in r.stderr and "Invalid process group" not in r.stderr, r.stderr[-3000:]
+
+
+def test_a_gpu_run_starts_a_group_that_carries_cpu_tensors():
+    # NCCL alone carries only CUDA tensors, and every step reduces CPU tensors (counts, metrics, flags): the group a
+    # GPU run starts must map the CPU to gloo. torch's own parser reads the backend string.
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    import distributed
+
+    gpu = BackendConfig(distributed.backend(cuda=True)).get_device_backend_map()
+    assert gpu == {"cpu": "gloo", "cuda": "nccl"}
+    assert BackendConfig(distributed.backend(cuda=False)).get_device_backend_map() == {"cpu": "gloo"}  # the tests'
+
+
+def test_the_process_set_up_and_precision_policy_of_a_sharded_run(tmp_path):
+    from safetensors.torch import load_file
+
+    r = torchrun(2, "policy", tmp_path / "policy")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = [json.loads((tmp_path / f"policy.rank{rank}").read_text()) for rank in (0, 1)]
+    for rank, got in enumerate(res):
+        assert got["threads"] == max(1, (os.cpu_count() or 1) // 2)  # the node's cores shared by its two ranks
+        # after a forward without grad FSDP2 leaves the root (embedding, norm, head) gathered unless resharded;
+        # under the bf16 policy every parameter stays a float32 shard
+        assert got["bf16"] and all(is_shard and dtype == "torch.float32" for is_shard, dtype in got["params"].values()), got
+        assert got["full_state_dict"] == (len(got["params"]) if rank == 0 else 0)  # one full copy, on rank 0
+    exported = load_file(tmp_path / "policy" / "export" / "model.safetensors")
+    assert exported and all(t.dtype == torch.float32 for t in exported.values())
 
 
 def test_train_under_torchrun_with_a_tensor_parallel_engine(tmp_path, tiny_path):
@@ -83,6 +116,8 @@ def test_train_under_torchrun_with_a_tensor_parallel_engine(tmp_path, tiny_path)
            "--out-dir", str(tmp_path), "--quiet"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    # the engines shut down before the process group: no rank prints a traceback at exit
+    assert "Traceback" not in r.stderr and "Invalid process group" not in r.stderr, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(r["token_mult_prob_error"] < 1.001 for r in rows[1:])
@@ -215,6 +250,7 @@ def test_eval_aime_under_torchrun_writes_what_one_process_writes(tmp_path, tiny_
                           str(HERE.parent / "eval_aime.py"), *flags, "--out", str(tmp_path / "two.jsonl")],
                          env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
+    assert "Traceback" not in two.stderr + one.stderr, two.stderr[-3000:]  # each engine shut down before the group
     rows = {n: [json.loads(line) for line in open(tmp_path / f"{n}.jsonl")] for n in ("one", "two")}
     assert len(rows["one"]) == 24 * 4 and rows["two"] == rows["one"]  # every sample, in the same order
     summary = {n: json.loads((tmp_path / f"{n}.summary.json").read_text()) for n in ("one", "two")}

@@ -81,3 +81,26 @@ def test_tiny_tokenizer_survives_save_and_load(tiny_path, tok):
     for text in ["3+4+5=12", "What is 2+3? Let's think step by step, within \\boxed{}.", "a  b", "x^{2}"]:
         assert tok(text)["input_ids"] == built(text)["input_ids"]
         assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
+
+
+def test_the_lm_head_runs_in_float32_under_the_bf16_policy(tiny_path, tok):
+    """Under autocast's bf16 (the policy of any world size on GPU, and --dtype bfloat16 here) the LM head's matmul
+    still runs in float32: the logprobs equal a float64 head applied to the same final hidden states. A bf16 head
+    misses by ~1e-2 at logits of 20-30, which the head's weights are scaled to reach here."""
+    m = model.load_model(tiny_path)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8.0)  # tied: the embedding scales too, and the logits reach tens
+    hidden = {}
+    m.model.norm.register_forward_hook(lambda mod, args, out: hidden.__setitem__("h", out))
+    input_ids, am, start, T, resp_lens = random_batch(tok, seed=2)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        lp, _ = model.token_logprobs(m, input_ids, am, start, T)
+    h, w = hidden["h"].double(), m.lm_head.weight.double()
+    assert hidden["h"].dtype == torch.float32  # the residual stream and final norm stay float32 under autocast
+    logits = h @ w.t()  # [B, L, V] float64
+    assert logits.abs().max() > 20
+    for i, n in enumerate(resp_lens):
+        for t in range(n):
+            pos = int(start[i]) + t
+            want = torch.log_softmax(logits[i, pos - 1], -1)[input_ids[i, pos]]
+            assert abs(lp[i, t].item() - want.item()) < 1e-4, (i, t, lp[i, t].item(), want.item())

@@ -113,3 +113,64 @@ def test_full_weights_streams_every_tensor_once_in_bounded_buckets(tiny_path):
         got = list(distributed.full_weights(m, bucket_bytes=bucket_bytes))
         assert [n for n, _ in got] == list(want)
         assert all(torch.equal(t, want[n]) for n, t in got)
+
+
+def shifted_pairs_equal(samples, n):
+    """How many samples of prompt 1 repeat prompt 0's sample one child earlier: (1, j-1) == (0, j). Seeding prompt
+    i with s + i, while vLLM seeds child j of a request with seed + j, makes every such pair one stream."""
+    a, b = [s.token_ids for s in samples[:n]], [s.token_ids for s in samples[n : 2 * n]]
+    return sum(a[j] == b[j - 1] for j in range(1, n))
+
+
+@pytest.mark.parametrize("first_index", [0, 5])
+def test_neighbouring_prompts_never_share_a_random_stream(vllm_engine, tok, first_index):
+    # two copies of one prompt, flattened sampling (T = 2) for 24 tokens: independent samples are
+    # all distinct; samples that share a stream are identical
+    p = prompts_of(tok, 1)[0]
+    samples = vllm_engine.generate([p, p], n=4, max_tokens=24, temperature=2.0, min_tokens=24, seed=7,
+                                   first_index=first_index)
+    assert shifted_pairs_equal(samples, 4) == 0
+    assert len({tuple(s.token_ids) for s in samples}) == 8
+    again = vllm_engine.generate([p, p], n=4, max_tokens=24, temperature=2.0, min_tokens=24, seed=7,
+                                   first_index=first_index)
+    assert [s.token_ids for s in again] == [s.token_ids for s in samples]  # seeded: reproducible
+
+
+def test_per_prompt_streams_do_not_depend_on_the_split(vllm_engine, tok):
+    # what one engine draws for prompts [a, b] is what two engines draw for [a] (index 0) and [b] (index 1), and a
+    # prompt at another index (another rank's share) draws other samples
+    a, b = prompts_of(tok, 2)
+    both = vllm_engine.generate([a, b], n=3, max_tokens=16, temperature=2.0, min_tokens=16, seed=3, first_index=0)
+    alone = vllm_engine.generate([b], n=3, max_tokens=16, temperature=2.0, min_tokens=16, seed=3, first_index=1)
+    assert [s.token_ids for s in alone] == [s.token_ids for s in both[3:]]
+    elsewhere = vllm_engine.generate([b], n=3, max_tokens=16, temperature=2.0, min_tokens=16, seed=3, first_index=0)
+    assert all(x.token_ids != y.token_ids for x, y in zip(elsewhere, alone))
+
+
+def each_response_gets_what_its_prompt_leaves(engine, tok):
+    cfg = train.Config(max_seq_len=48, max_new_tokens=48, max_prompt_len=24)
+    short = prompts_of(tok, 1)[0]
+    prompts = [short, short + short[1:]]  # two lengths: two budgets
+    caps = [train.budget(cfg, p) for p in prompts]
+    samples = engine.generate(prompts, n=2, max_tokens=caps, min_tokens=48, seed=0)  # EOS held back: full length
+    for s in samples:
+        assert len(prompts[s.prompt_idx]) + len(s.token_ids) == cfg.max_seq_len and s.truncated
+        assert len(s.logprobs) == len(s.token_ids)
+    capped = train.Config(max_seq_len=48, max_new_tokens=5)
+    assert {train.budget(capped, p) for p in prompts} == {5}  # max_new_tokens still caps a short prompt's room
+
+
+def test_each_response_gets_what_its_prompt_leaves_vllm(vllm_engine, tok):
+    each_response_gets_what_its_prompt_leaves(vllm_engine, tok)
+
+
+def test_each_response_gets_what_its_prompt_leaves_hf(tiny_path, tok):
+    each_response_gets_what_its_prompt_leaves(rollout.HFEngine(tiny_path), tok)
+
+
+def test_the_deepscaler_presets_give_each_response_what_its_prompt_leaves():
+    # NeMo-RL caps each request at max_model_len - its prompt's length: a 150-token prompt at 8K gets 8,042
+    for stage, total in ((1, 8192), (2, 16384), (3, 24576)):
+        cfg = train.parse_args(["--stage", str(stage), "--data", "x"])
+        assert train.budget(cfg, [0] * 150) == total - 150 and train.budget(cfg, [0] * 1024) == total - 1024
+        assert train.prompt_limit(cfg) == 1024

@@ -5,10 +5,12 @@ import math
 import random
 
 import pytest
-
+import torch
 from transformers import AutoModelForCausalLM
 
 import distributed
+import model
+import rollout
 import train
 
 METRIC_KEYS = {"reward_mean", "response_len_mean", "loss", "clip_frac_low", "clip_frac_high", "kl", "entropy",
@@ -144,3 +146,17 @@ def test_dtype_flag_sets_the_training_compute_on_cpu(tiny_path, dtype):
     pairs = [dpo.Pair(tuple(prompt[i].tolist()), tuple(resp[i].tolist()), tuple(resp[i, :10].tolist())) for i in range(2)]
     dpo.pair_logps(model.LogprobModel(lm), pairs, dpo.DPOConfig(dtype=dtype), cpu, pad_id=0, grad=False)
     assert seen == [want, want], seen
+
+
+def test_a_stand_in_micro_batch_is_two_tokens_whatever_the_batch(tok):
+    # a rank with fewer micro-batches runs stand-ins so FSDP's collectives line up; each must cost two tokens, not
+    # the batch's longest row (which at 24K would be a second 24K-token pass)
+    prompts = [[1] + [5] * 300, [1, 5]]
+    samples = [rollout.Sample(0, [6] * 700, [-1.0] * 700, True), rollout.Sample(1, [6, 2], [-1.0, -1.0], False)]
+    b = train.make_batch(prompts, samples, torch.tensor([1.0, -1.0]), False, 0)
+    mb = train.rows_of(b, [])
+    assert mb["input_ids"].shape == (1, 2) and mb["T"] == 1
+    assert float(mb["loss_mask"].sum()) == 0.0 and float(mb["advantages"].abs().sum()) == 0.0
+    m = model.load_model(model.resolve(model.TINY))
+    lp, _ = model.token_logprobs(m, mb["input_ids"], mb["attention_mask"], mb["resp_start"], mb["T"])
+    assert lp.shape == (1, 1)  # its one response token goes through the LM head: every parameter takes part
