@@ -43,7 +43,7 @@ GROUP ?= 8
 MINIBATCH ?= 64
 THREADS ?= 0
 RUN = $(if $(filter-out 0,$(THREADS)),OMP_NUM_THREADS=$(THREADS) )$(PY)
-SCALE = --model $(MODEL) --engine hf --prompts-per-step $(PROMPTS) --group-size $(GROUP) --minibatch-size $(MINIBATCH) --warmup-steps 2 \
+SCALE = --model $(MODEL) --engine hf --prompts-per-step $(PROMPTS) --group-size $(GROUP) --minibatch-size $(MINIBATCH) --warmup-steps 2 --max-prompt-len 16 \
         --eval-every 0 --threads $(THREADS) --data $(R)/data/train.jsonl --val-data $(R)/data/heldout.jsonl
 EVAL = --data $(R)/data/heldout.jsonl --k $(K) --max-tokens 72
 

@@ -43,6 +43,7 @@ def uninterrupted(tmp_path_factory, tiny_path):
     return out
 
 
+@pytest.mark.cpu_numerics
 def test_killed_then_resumed_run_equals_uninterrupted_run(uninterrupted, tmp_path):
     out = tmp_path / "killed"
     p = run(out)
@@ -86,6 +87,7 @@ def test_partial_and_damaged_checkpoints_are_told_apart(uninterrupted, tmp_path)
         assert why in distributed.checkpoint_problem(c)
 
 
+@pytest.mark.cpu_numerics
 def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes(uninterrupted, tmp_path):
     import shutil
 

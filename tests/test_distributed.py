@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CPU_ONLY
 
 HERE = Path(__file__).resolve().parent
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -16,7 +17,7 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 def torchrun(n: int, *args, timeout=300, worker="dist_worker.py") -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node n tests/WORKER args...` (test_dpo.py runs dpo_worker.py through it too)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", **({} if args[0] == "refit" else CPU_ONLY))
     cmd = [TORCHRUN, "--nproc_per_node", str(n), "--master_port", str(29500 + os.getpid() % 1000),
            str(HERE / worker), *map(str, args)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -67,6 +68,7 @@ def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens
     assert moved > (0.5 * lr if opt == "adamw" else 1e-3)  # the update really changed the weights
 
 
+@pytest.mark.two_gpus
 @pytest.mark.parametrize("tp", [1, 2], ids=["engine-per-rank", "tensor-parallel-2"])
 def test_refit_from_shards_matches_trainer_on_each_rank(tmp_path, tiny_path, tp):
     r = torchrun(2, "refit", tmp_path / "refit", tp)
@@ -109,6 +111,8 @@ def test_the_process_set_up_and_precision_policy_of_a_sharded_run(tmp_path):
     assert exported and all(t.dtype == torch.float32 for t in exported.values())
 
 
+@pytest.mark.cpu_numerics
+@pytest.mark.two_gpus
 def test_train_under_torchrun_with_a_tensor_parallel_engine(tmp_path, tiny_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29700 + os.getpid() % 200),
@@ -171,13 +175,13 @@ def test_reuse_freed_memory_stops_page_faults_on_every_step(reuse):
 # A GRPO run under torchrun: over two "nodes", and killed then resumed
 
 RUN_FLAGS = ["--steps", "6", "--checkpoint-every", "2", "--eval-every", "2", "--eval-prompts", "16",
-             "--prompts-per-step", "8", "--engine", "hf", "--quiet"]
+             "--prompts-per-step", "8", "--engine", "hf", "--threads", "1", "--quiet"]  # threads: the same at both shapes
 TIMING = ("time_", "elapsed", "tokens_per_s", "peak_mem")
 
 
 def launch(out: Path, port: int, nnodes: int = 1, node_rank: int = 0) -> subprocess.Popen:
     """`torchrun` of train.py on this machine: 2 processes on 1 node, or 1 process as node `node_rank` of 2."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **CPU_ONLY)  # the HF engine: bit for bit on the CPU, on any machine
     nodes = ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1"] if nnodes == 2 else []
     cmd = [TORCHRUN, *nodes, "--nproc_per_node", str(2 // nnodes), "--master_port", str(port),
            str(HERE.parent / "train.py"), *RUN_FLAGS, "--out-dir", str(out)]
@@ -238,6 +242,8 @@ def test_a_rank_killed_mid_run_then_the_same_command_resumes_to_the_same_end(one
     assert same(outcome(tmp_path), one_node_of_two)
 
 
+@pytest.mark.cpu_numerics
+@pytest.mark.two_gpus
 def test_eval_aime_under_torchrun_writes_what_one_process_writes(tmp_path, tiny_path):
     fix = HERE / "fixtures"
     flags = ["--model", "tiny", "--data", str(fix / "sum3_eval.jsonl"), "--prompt-template", str(fix / "plain_template.txt"),

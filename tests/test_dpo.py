@@ -281,6 +281,7 @@ def test_short_dpo_run_raises_heldout_preference_and_task_accuracy(run30):
     assert rows == [json.loads(line) for line in open(Path(cfg.out_dir) / "metrics.jsonl")]
 
 
+@pytest.mark.cpu_numerics
 def test_resumed_run_equals_uninterrupted_run_and_exports(run30, tmp_path):
     cfg, rows = run30
     out = tmp_path / "resumed"

@@ -91,6 +91,7 @@ def test_long_prompts_are_dropped_and_reported(tok, capsys):
     assert f"dropped {dropped} of {len(problems)} training prompts longer than 90 tokens" in capsys.readouterr().out
 
 
+@pytest.mark.cpu_numerics
 def test_grpo_run_from_a_math_jsonl(vllm_engine, tmp_path):
     cfg = train.Config(task="math", data=str(FIX / "math_tiny.jsonl"), val_fraction=0.2, max_seq_len=256,
                        max_new_tokens=24, steps=2, prompts_per_step=8, group_size=4, eval_every=2, eval_samples=2,

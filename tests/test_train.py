@@ -18,6 +18,7 @@ METRIC_KEYS = {"reward_mean", "response_len_mean", "loss", "clip_frac_low", "cli
                "tokens_per_s", "truncated_frac", "zero_var_group_frac"}
 
 
+@pytest.mark.cpu_numerics
 def test_short_grpo_run_raises_heldout_reward(vllm_engine, tmp_path):
     cfg = train.Config(steps=25, eval_every=25, seed=0, out_dir=str(tmp_path), quiet=True)
     result = train.train(cfg, engine=vllm_engine)
@@ -34,6 +35,7 @@ def test_short_grpo_run_raises_heldout_reward(vllm_engine, tmp_path):
     assert m.config.model_type == "qwen2"
 
 
+@pytest.mark.cpu_numerics
 def test_hf_engine_runs_the_same_loop(tmp_path):
     cfg = train.Config(engine="hf", steps=3, eval_every=0, prompts_per_step=8, group_size=4,
                        minibatch_size=16, out_dir=str(tmp_path), quiet=True, save_final=False)
