@@ -1,6 +1,6 @@
 """The 1.5B shape (`--model r1-shape`, `python bench.py shape`): R1-Distill-Qwen-1.5B's config.json value for value,
-a tokenizer that decodes every one of its 151,936 ids after a save and load, and a small build of the same shape.
-No vLLM engine, torchrun or training process: seconds."""
+a tokenizer that decodes every one of its 151,936 ids after a save and load, a small build of the same shape, and
+the bench's prompts of an exact length. No vLLM engine, torchrun or training process: seconds."""
 
 import json
 import random
@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import bench
 import data
 import model
 
@@ -71,3 +72,11 @@ def test_r1_shape_builds_a_real_checkpoint(tmp_path):
     assert len(AutoTokenizer.from_pretrained(path)) == 2048
     assert json.loads((Path(path) / "r1_shape.json").read_text())["dtype"] == "bfloat16"
 
+
+def test_bench_shape_prompts_are_exactly_as_long_as_asked(r1_tok, tmp_path):
+    cfg = bench.ShapeConfig(prompt_tokens=300, response_tokens=8, eval_problems=3)
+    lens = bench.write_problems(r1_tok, tmp_path, cfg)
+    problems = data.load_problems(str(tmp_path / "problems.jsonl"))
+    assert lens == [300] * len(problems) and len(problems) == cfg.prompts_per_step * (cfg.steps + cfg.resume_steps)
+    assert [len(data.math_prompt(r1_tok, p.prompt)) for p in problems] == lens
+    assert len(data.load_problems(str(tmp_path / "eval_problems.jsonl"))) == 3
