@@ -488,8 +488,7 @@ def shape_main(cfg: ShapeConfig) -> None:
     path = M.ensure_r1_shape_base(layers=cfg.layers, vocab_size=cfg.vocab_size)
     builtin = (cfg.layers, cfg.vocab_size) == (2, M.R1_VOCAB)  # then train.py gets the built-in name, as a user would
     res = {"config": asdict(cfg), "model": path, "cpu": cpu_description(), "build_s": time.time() - t0}
-    tok = M.load_tokenizer(path)
-    res["prompt_lens"] = write_problems(tok, out, cfg)
+    res["prompt_lens"] = write_problems(M.load_tokenizer(path), out, cfg)  # the tokenizer is not kept: memory
     print(f"bench shape: {path}, prompts of {statistics.mean(res['prompt_lens']):.0f} tokens; measuring the matmul "
           f"peak ...", flush=True)
     res["peak"] = matmul_peak(path, cfg, statistics.mean(res["prompt_lens"]) + cfg.response_tokens)
