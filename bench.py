@@ -14,12 +14,24 @@ computes at any moment, step k of each runs next to step k of the others, and ea
 the per-step ratios. It also times each engine's own generate called directly on the same prompts, to show
 what our wrapper (per-prompt seeds, logprobs, Sample objects) costs.
 
-What it does not do: check anything (it reports numbers; the tests check behaviour), or run on several ranks.
-TRL is optional: `pip install trl==1.16.0` (or `make bench`); without it the TRL row is skipped with a note.
+`python bench.py shape` runs the 1.5B shape end to end on CPU (the built-in `r1-shape`: R1-Distill-Qwen-1.5B's
+config.json with 2 layers and random weights) through the project's own commands, each a subprocess: GRPO steps
+under `torchrun --nproc_per_node N train.py` with the vLLM engine on long generated prompts and a checkpoint, the
+same command resumed from it for more steps, `train.py export`, the export loaded by transformers and by vLLM (each
+in a fresh process), and `torchrun eval_aime.py` on it. It prints one table: each command's seconds and each rank's
+peak resident memory (its process's, from the kernel), memory.py's estimate beside it, each step's phases, and the
+update's achieved FLOP/s against this CPU's own matmul peak, measured at the layer's shapes (see shape_main).
+
+What it does not do: check anything (it reports numbers; the tests check behaviour), or (apart from the shape
+mode) run on several ranks. TRL is optional: `pip install trl==1.16.0` (or `make bench`); without it the TRL row
+is skipped with a note.
 """
 
 import json
 import os
+import random
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -415,7 +427,410 @@ def main(cfg: BenchConfig) -> None:
     print(text)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The 1.5B shape end to end: `python bench.py shape`
+
+ROOT = Path(__file__).resolve().parent
+
+# Each rank's own peak resident memory. torchrun starts this (python -c RANK_PEAK PREFIX COMMAND...) as each rank;
+# it starts the rank's real command as its only child and, once that has exited, writes the child's peak resident
+# set (getrusage's RUSAGE_CHILDREN: the largest waited-for descendant, here the rank itself, in KiB) to
+# PREFIX<RANK>. torchrun's signals are passed on, and the child dies with it (PR_SET_PDEATHSIG), so a stopped bench
+# leaves no rank behind. A few MiB of Python per rank, not the 0.5 GiB that importing bench.py would cost.
+RANK_PEAK = """
+import ctypes, os, resource, signal, subprocess, sys
+child = subprocess.Popen(sys.argv[2:], preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL))
+for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda n, f: child.send_signal(n))
+rc = child.wait()
+with open(sys.argv[1] + os.environ.get("RANK", "0"), "w") as f:
+    f.write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))
+sys.exit(rc if rc >= 0 else 128 - rc)
+"""
+
+
+@dataclass
+class ShapeConfig:
+    """`python bench.py shape`: the 1.5B shape end to end on CPU. The defaults are the 8K-token run (7K-token
+    prompts + 1K-token responses, 2 ranks); development runs: --prompt-tokens 256 --response-tokens 16."""
+
+    prompt_tokens: int = 7168  # each prompt's length: a generated problem padded with random letters (1 token each)
+    response_tokens: int = 1024  # every response is exactly this long (EOS masked until then)
+    nproc: int = 2  # ranks (torchrun --nproc_per_node), each with its own engine
+    steps: int = 1  # GRPO steps of the first run, which ends with a checkpoint
+    resume_steps: int = 1  # GRPO steps of the second run: the same command, resumed from that checkpoint
+    prompts_per_step: int = 2  # over all ranks
+    group_size: int = 2  # samples per prompt
+    engine: Literal["vllm", "hf"] = "vllm"  # train.py's rollout engine (eval_aime.py always runs vLLM)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # train.py's compute and engine dtype, and the matmul peak's
+    threads: int = 1  # torch threads per rank
+    eval_problems: int = 2  # eval_aime.py on this many of the problems
+    eval_k: int = 2  # eval_aime.py's samples per problem, each --response-tokens long
+    layers: int = 2  # r1-shape's 2; another value builds the same shape with that many layers
+    vocab_size: int = M.R1_VOCAB  # r1-shape's; a smaller one fits a development run on 2 ranks in a few GiB
+    out: str = "runs/bench-shape"  # table.md, results.json, each command's log; the training run in <out>/run
+    # internal: load a model in this process as transformers ("hf:PATH") or vLLM ("vllm:PATH") do, and write what
+    # it generated to --result (the export's checks, each in a fresh process)
+    check: str = ""
+    result: str = ""  # internal: where --check writes
+
+
+def shape_main(cfg: ShapeConfig) -> None:
+    """Build the model, write the problems, measure the matmul peak, then run the commands one after the other
+    (stopping at the first that fails), and print the table (also <out>/table.md; the figures in results.json)."""
+    if cfg.check:
+        return check_load(cfg)
+    validate_shape(cfg)
+    out = Path(cfg.out).absolute()
+    shutil.rmtree(out / "run", ignore_errors=True)  # a fresh run: never resumed from an earlier bench's checkpoint
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    path = M.ensure_r1_shape_base(layers=cfg.layers, vocab_size=cfg.vocab_size)
+    builtin = (cfg.layers, cfg.vocab_size) == (2, M.R1_VOCAB)  # then train.py gets the built-in name, as a user would
+    res = {"config": asdict(cfg), "model": path, "cpu": cpu_description(), "build_s": time.time() - t0}
+    res["prompt_lens"] = write_problems(M.load_tokenizer(path), out, cfg)  # the tokenizer is not kept: memory
+    print(f"bench shape: {path}, prompts of {statistics.mean(res['prompt_lens']):.0f} tokens; measuring the matmul "
+          f"peak ...", flush=True)
+    res["load_average"] = os.getloadavg()[0]  # others' work on the machine slows every figure below
+    seq_mean = statistics.mean(res["prompt_lens"]) + cfg.response_tokens
+    res["peak"] = matmul_peak(path, cfg, seq_mean)
+    res["estimate"] = memory_estimate(path, cfg)
+    need, have = cfg.nproc * res["estimate"]["process peak (trainer + engine + libraries)"], available_gib()
+    if have is not None and need > have:  # said, not refused: the estimate is what this bench is here to check
+        print(f"bench shape: memory.py estimates {need:.1f} GiB for {cfg.nproc} rank(s), {have:.1f} GiB are "
+              f"available: the run may be killed for memory (try --nproc 1, or shorter sequences)", flush=True)
+
+    run, export = out / "run", out / "export"
+    py, seq = sys.executable, cfg.prompt_tokens + cfg.response_tokens
+    train_cmd = [py, "train.py", "--model", M.R1_SHAPE if builtin else path, "--task", "math",
+                 "--data", str(out / "problems.jsonl"), "--engine", cfg.engine, "--dtype", cfg.dtype,
+                 "--prompts-per-step", str(cfg.prompts_per_step), "--group-size", str(cfg.group_size),
+                 "--max-new-tokens", str(cfg.response_tokens), "--min-new-tokens", str(cfg.response_tokens),
+                 "--max-seq-len", str(seq), "--micro-batch-tokens", str(seq), "--activation-checkpointing",
+                 "--eval-every", "0", "--threads", str(cfg.threads), "--checkpoint-every", str(cfg.steps),
+                 "--no-save-final", "--no-plot", "--quiet", "--out-dir", str(run)]
+    hf_json, vllm_json, eval_json = out / "load-hf.json", out / "load-vllm.json", out / "eval_samples.summary.json"
+    commands = [  # (name, ranks, the command: some are known only once the one before has run, what it writes)
+        ("train", cfg.nproc, lambda: train_cmd + ["--steps", str(cfg.steps)], None),
+        ("resume", cfg.nproc, lambda: train_cmd + ["--steps", str(cfg.steps + cfg.resume_steps)], None),
+        ("export", 1, lambda: [py, "train.py", "export", str(dist_checkpoints(run)[-1]), str(export)], None),
+        ("load: transformers", 1, lambda: [py, "bench.py", "shape", "--check", f"hf:{export}", "--result",
+                                           str(hf_json)], hf_json),
+        ("load: vLLM", 1, lambda: [py, "bench.py", "shape", "--check", f"vllm:{export}", "--result",
+                                   str(vllm_json)], vllm_json),
+        ("eval_aime", cfg.nproc, lambda: [py, "eval_aime.py", "--model", str(export), "--data",
+                                          str(out / "eval_problems.jsonl"), "--k", str(cfg.eval_k), "--max-tokens",
+                                          str(cfg.response_tokens), "--out", str(out / "eval_samples.jsonl")],
+         eval_json),
+    ]
+    res["commands"] = []
+    for name, nproc, cmd, result in commands:
+        print(f"bench shape: {name} ...", flush=True, end=" ")
+        r = launch(name, cmd(), nproc, out, cfg.threads)
+        print(f"{r['wall_s']:.0f}s" + ("" if r["rc"] == 0 else f", failed (exit {r['rc']}): see {r['log']}"),
+              flush=True)
+        if name in ("train", "resume"):
+            r.update(train_figures(run, Path(r["log"]), after_step=0 if name == "train" else cfg.steps))
+        if result is not None and r["rc"] == 0:
+            r["result"] = json.loads(result.read_text())
+        res["commands"].append(r)
+        if r["rc"] != 0:
+            break
+    print("bench shape: the matmul peak once more ...", flush=True)
+    res["peak"] = matmul_peak(path, cfg, seq_mean, earlier=res["peak"])  # a busy moment lowers one measurement
+    res["steps"] = read_metrics(run / "metrics.jsonl")
+    text = shape_table(res, cfg)
+    (out / "table.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    print(text)
+
+
+def validate_shape(cfg: ShapeConfig) -> None:
+    runtime.check([
+        (cfg.prompt_tokens >= 128, f"--prompt-tokens {cfg.prompt_tokens}: at least 128 (the prompt's scaffold)"),
+        (cfg.response_tokens >= 1, f"--response-tokens {cfg.response_tokens}: must be at least 1"),
+        (cfg.nproc >= 1, f"--nproc {cfg.nproc}: must be at least 1"),
+        (cfg.prompts_per_step >= cfg.nproc and cfg.prompts_per_step % cfg.nproc == 0,
+         f"--prompts-per-step {cfg.prompts_per_step}: must be a positive multiple of --nproc {cfg.nproc}"),
+        (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO needs at least 2 samples per prompt"),
+        (cfg.steps >= 1 and cfg.resume_steps >= 1, "--steps and --resume-steps: each at least 1"),
+        (cfg.eval_problems >= 1 and cfg.eval_k >= 1, "--eval-problems and --eval-k: each at least 1"),
+        (cfg.threads >= 1, f"--threads {cfg.threads}: must be at least 1"),
+        (cfg.layers >= 1, f"--layers {cfg.layers}: must be at least 1"),
+        (cfg.vocab_size >= 1024, f"--vocab-size {cfg.vocab_size}: must be at least 1024"),
+        (runtime.writable(Path(cfg.out)), f"--out {cfg.out}: cannot be written"),
+    ])
+
+
+def write_problems(tok, out: Path, cfg: ShapeConfig) -> list[int]:
+    """<out>/problems.jsonl (enough rows for every step's prompts) and <out>/eval_problems.jsonl (the first
+    --eval-problems of them): "What is a + b?" padded with random lowercase letters and spaces so that DeepScaleR's
+    prompt around it (data.math_prompt) is --prompt-tokens long. r1_tokenizer has no merges, so one character is
+    one token and the length is exact; with another tokenizer the padding is cut until it fits. The token lengths."""
+    rng = random.Random(0)
+    rows, lens = [], []
+    for _ in range(max(cfg.prompts_per_step * (cfg.steps + cfg.resume_steps), cfg.eval_problems)):
+        a, b = rng.randrange(1000), rng.randrange(1000)
+        head = f"What is {a} + {b}? Random letters follow, to make the prompt long:"
+        pad = cfg.prompt_tokens - len(data.math_prompt(tok, head + " "))
+        problem = head + " " + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz   ") for _ in range(max(pad, 0)))
+        while len(data.math_prompt(tok, problem)) > cfg.prompt_tokens and len(problem) > len(head):
+            problem = problem[: len(problem) - max(1, (len(data.math_prompt(tok, problem)) - cfg.prompt_tokens))]
+        rows.append({"problem": problem, "answer": str(a + b)})
+        lens.append(len(data.math_prompt(tok, problem)))
+    runtime.check([(max(lens) <= cfg.prompt_tokens,
+                    f"--prompt-tokens {cfg.prompt_tokens}: below the {max(lens)} tokens of the prompt's scaffold")])
+    (out / "problems.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "eval_problems.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[: cfg.eval_problems]))
+    return lens
+
+
+def available_gib() -> float | None:
+    """MemAvailable from /proc/meminfo (Linux), or None."""
+    try:
+        line = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) / 2**20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(name: str, cmd: list[str], nproc: int, out: Path, threads: int) -> dict:
+    """Run one command (under torchrun when nproc > 1, as a user would), output to <out>/<name>.log: its seconds,
+    exit status, each rank's peak resident memory (RANK_PEAK), and whether its log holds a Python traceback."""
+    slug = name.replace(": ", "-").replace(" ", "-")
+    log, prefix = out / f"{slug}.log", out / f".peak-{slug}-rank"
+    for old in out.glob(f".peak-{slug}-rank*"):
+        old.unlink()
+    wrapped = [sys.executable, "-c", RANK_PEAK, str(prefix), *cmd]
+    if nproc > 1:
+        wrapped = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                   "--master_port", str(free_port()), "--no-python", *wrapped]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    t0 = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.run(wrapped, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.time() - t0
+    peaks = [int(Path(f"{prefix}{r}").read_text()) / 2**20 if Path(f"{prefix}{r}").exists() else None
+             for r in range(nproc)]
+    text = log.read_text(errors="replace")
+    return {"name": name, "nproc": nproc, "cmd": cmd, "rc": rc, "wall_s": wall, "peak_gib": peaks, "log": str(log),
+            "traceback": "Traceback (most recent call last)" in text}
+
+
+def dist_checkpoints(run: Path) -> list[Path]:
+    import distributed
+
+    return distributed.checkpoints(run / "checkpoints")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The step rows of a run's metrics.jsonl (the step-0 row has no times)."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "time_step" in r]
+
+
+def train_figures(run: Path, log: Path, after_step: int) -> dict:
+    """What a train.py run's files say right after it ended: its steps (those after `after_step`: a resumed run's
+    metrics.jsonl keeps the rows before), the seconds of its last checkpoint (from the time metrics.jsonl got the
+    last step's row, written just before the checkpoint, to the time the checkpoint's meta.json, written last, was
+    written), and whether it resumed."""
+    steps = [r for r in read_metrics(run / "metrics.jsonl") if r["step"] > after_step]
+    ckpts = dist_checkpoints(run)
+    ckpt_s = None
+    if ckpts and (ckpts[-1] / "meta.json").exists() and (run / "metrics.jsonl").exists():
+        ckpt_s = (ckpts[-1] / "meta.json").stat().st_mtime - (run / "metrics.jsonl").stat().st_mtime
+    resumed = next((ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("resumed from")), "")
+    return {"last_step": steps[-1]["step"] if steps else None, "checkpoint_s": ckpt_s,
+            "checkpoint": str(ckpts[-1]) if ckpts else None, "resumed": resumed,
+            "steps_s": sum(r["time_step"] for r in steps)}
+
+
+def check_load(cfg: ShapeConfig) -> None:
+    """--check hf:PATH / vllm:PATH: load the model as transformers (AutoModelForCausalLM, AutoTokenizer) or vLLM (the
+    project's engine) does, sample 8 tokens after a short prompt, and write what was loaded and generated."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kind, path = cfg.check.split(":", 1)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = data.math_prompt(tok, "What is 1 + 1?")
+    if kind == "hf":
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            gen = m.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=True,
+                             pad_token_id=tok.pad_token_id)
+        new, loaded = gen[0, len(ids):].tolist(), f"{type(m).__name__}, {m.num_parameters() / 1e6:.0f}M parameters"
+    else:
+        import rollout
+
+        engine = rollout.VLLMEngine(path, max_model_len=len(ids) + 8, seed=0)
+        new, loaded = engine.generate([ids], n=1, max_tokens=8, min_tokens=8, seed=0)[0].token_ids, "vLLM engine"
+    Path(cfg.result).write_text(json.dumps({"loaded": loaded, "tokenizer": f"{type(tok).__name__}, {len(tok)} tokens",
+                                            "tokens": new, "text": tok.decode(new)}))
+
+
+# The update's FLOPs and this CPU's matmul peak
+
+
+def layer_matmuls(c, seq: float, resp: float, chunk: int = 1024) -> list[tuple[str, int, int, int, float]]:
+    """The forward matmuls of one sequence of `seq` tokens with `resp` response tokens, as (name, m, k, n, how many):
+    the decoder layers' projections over every token, and the LM head over the response positions only, in chunks
+    of --logprob-chunk-tokens (model.token_logprobs)."""
+    H, I, V, layers = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
+    kv = c.num_key_value_heads * (H // c.num_attention_heads)
+    T, R = int(seq), int(min(resp, chunk))
+    return [("q_proj, o_proj", T, H, H, 2 * layers), ("k_proj, v_proj", T, H, kv, 2 * layers),
+            ("gate_proj, up_proj", T, H, I, 2 * layers), ("down_proj", T, I, H, layers),
+            ("lm_head (a chunk)", R, H, V, resp / R)]
+
+
+def forward_flops(c, seq: float, resp: float) -> float:
+    """One forward pass over one sequence: 2 m k n per matmul, plus causal attention, 2 x 2 x H x seq^2 / 2 per
+    layer (QK^T and AV over the lower triangle). Norms, RoPE, SiLU and softmax are left out (a few percent)."""
+    mm = sum(2 * m * k * n * count for _, m, k, n, count in layer_matmuls(c, seq, resp))
+    return mm + 2 * c.hidden_size * seq**2 * c.num_hidden_layers
+
+
+def _time_matmuls(shapes, dtype: str, threads: int, seconds: float, barrier, queue) -> None:
+    """In a process of its own: the best FLOP/s of torch.matmul at each shape, all processes on the same shape at
+    once (barrier), as the ranks run side by side."""
+    torch.set_num_threads(threads)
+    dt, rates = getattr(torch, dtype), {}
+    for name, m, k, n, _ in shapes:
+        a, b = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
+        torch.matmul(a, b)  # warm-up: oneDNN picks and packs its kernel on the first call
+        barrier.wait()
+        best, reps, t_end = float("inf"), 0, time.time() + seconds
+        while reps < 2 or time.time() < t_end:
+            t = time.perf_counter()
+            torch.matmul(a, b)
+            best, reps = min(best, time.perf_counter() - t), reps + 1
+        rates[name] = 2 * m * k * n / best
+    queue.put(rates)
+
+
+def matmul_peak(path: str, cfg: ShapeConfig, seq: float, seconds: float = 2.0, earlier: dict | None = None) -> dict:
+    """This CPU's matmul FLOP/s at the layer's shapes (layer_matmuls), in --dtype at --threads threads, measured in
+    --nproc processes at once (the physical limit the ranks share: two processes on two cores, or on the two
+    hyperthreads of one). Per shape: the sum over processes, or the measurement `earlier` where that was faster
+    (the bench measures before and after its runs); "mix": their FLOP-weighted harmonic mean, the rate at which
+    a forward pass's matmuls would run at these speeds (sum of FLOPs / sum of FLOPs / rate)."""
+    import multiprocessing as mp
+
+    from transformers import AutoConfig
+
+    shapes = layer_matmuls(AutoConfig.from_pretrained(path), seq, cfg.response_tokens)
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(cfg.nproc), ctx.Queue()
+    procs = [ctx.Process(target=_time_matmuls, args=(shapes, cfg.dtype, cfg.threads, seconds, barrier, queue))
+             for _ in range(cfg.nproc)]
+    for p in procs:
+        p.start()
+    per_proc = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    rates = {name: sum(r[name] for r in per_proc) for name, *_ in shapes}
+    if earlier is not None:
+        rates = {name: max(rate, earlier["rates"][name]) for name, rate in rates.items()}
+    flops = {name: 2 * m * k * n * count for name, m, k, n, count in shapes}
+    mix = sum(flops.values()) / sum(flops[k] / rates[k] for k in flops)
+    return {"rates": rates, "mix": mix, "shapes": [list(s) for s in shapes]}
+
+
+def memory_estimate(path: str, cfg: ShapeConfig) -> dict:
+    """memory.py's CPU estimate of one rank (`python memory.py --device cpu`) for this model's shape, this world size
+    and batch (each of a rank's sequences is a micro-batch of its own: --micro-batch-tokens is one sequence's
+    length): its rows, and its totals, "training peak" and "process peak (trainer + engine + libraries)", the one
+    a rank's peak resident set measures. With --engine hf its engine rows (a float32 copy, vLLM's KV cache) are
+    vLLM's, not the HF engine's float32 copy without a preallocated cache."""
+    import memory
+
+    seqs = cfg.prompts_per_step * cfg.group_size // cfg.nproc
+    rows = memory.estimate(memory.Shape.from_config(path), cfg.prompt_tokens + cfg.response_tokens, ranks=cfg.nproc,
+                           seqs_per_rank=seqs, micro_batches=seqs, device="cpu")
+    return {"rows": rows, **memory.totals(rows)}
+
+
+def shape_table(res: dict, cfg: ShapeConfig) -> str:
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(res["model"])
+    f = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
+    prompt = statistics.mean(res["prompt_lens"])
+    seq = prompt + cfg.response_tokens
+    lines = [f"bench.py shape: {Path(res['model']).name} (hidden {c.hidden_size}, MLP {c.intermediate_size}, "
+             f"{c.num_attention_heads}/{c.num_key_value_heads} heads, vocabulary {c.vocab_size}, "
+             f"{c.num_hidden_layers} layers), {cfg.nproc} ranks x {cfg.threads} thread, {cfg.engine} engine, "
+             f"{cfg.dtype}; {cfg.prompts_per_step} prompts x {cfg.group_size} samples per step, prompts of "
+             f"{prompt:.0f} tokens + responses of {cfg.response_tokens} = {seq:.0f}; activation checkpointing. "
+             f"CPU: {res['cpu']}, 1-minute load average {res['load_average']:.1f} at the start. Model built in "
+             f"{res['build_s']:.0f}s (0 when cached).", "",
+             "| command | seconds | peak RSS per rank (GiB) | memory.py: process peak (training peak) GiB | "
+             "measured / estimated process peak | exit | notes |", "|---|---|---|---|---|---|---|"]
+    est, est_train = res["estimate"]["process peak (trainer + engine + libraries)"], res["estimate"]["training peak"]
+    for r in res["commands"]:
+        peaks = [p for p in r["peak_gib"] if p is not None]
+        training = r["name"] in ("train", "resume")
+        ratio = " / ".join(f"{p / est:.2f}" for p in peaks) if training and peaks else "-"
+        notes = []
+        if training:
+            rest = r["wall_s"] - r["steps_s"] - (r["checkpoint_s"] or 0.0)
+            notes.append(f"to step {r['last_step']}: steps {f(r['steps_s'])}s, checkpoint {f(r['checkpoint_s'])}s, "
+                         f"start-up and exit {f(rest)}s" + (f"; {r['resumed']}" if r["resumed"] else ""))
+        if "loaded" in r.get("result", {}):
+            lr = r["result"]
+            notes.append(f"{lr['loaded']}; {lr['tokenizer']}; sampled {lr['text']!r}".replace("|", "\\|"))
+        if "pass@1" in r.get("result", {}):
+            s = r["result"]
+            notes.append(f"pass@1 {s['pass@1']:.3f} over {s['problems']} x {s['k']}, mean response "
+                         f"{s['mean_response_tokens']:.0f} tokens")
+        if r["traceback"]:
+            notes.append(f"a Python traceback in {Path(r['log']).name}")
+        lines.append(f"| {r['name']} | {f(r['wall_s'], 0)} | {' / '.join(f(p, 2) for p in r['peak_gib'])} | "
+                     f"{f'{est:.2f} ({est_train:.2f})' if training else '-'} | {ratio} | {r['rc']} | "
+                     f"{'; '.join(notes)} |")
+    peak = res["peak"]
+    lines += ["", "| step | generate s | logprobs s | update s | refit s | other s | step s | peak GiB, largest "
+              "rank (metrics) | tokens trained | update TFLOP, 6x / 8x | achieved GFLOP/s, 6x / 8x | "
+              "8x / matmul peak |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["steps"]:
+        seqs, resp = r["seqs"], r["response_len_mean"]
+        fwd = seqs * forward_flops(c, prompt + resp, resp)
+        upd = r.get("time_update", 0.0)
+        other = r["time_step"] - sum(r.get(f"time_{k}", 0.0) for k in PHASES)
+        lines.append(f"| {r['step']} | {f(r.get('time_generate'))} | {f(r.get('time_logprobs'), 2)} | "
+                     f"{f(upd)} | {f(r.get('time_refit'))} | {f(other)} | {f(r['time_step'])} | "
+                     f"{f(r['peak_mem_gib'], 2)} | {seqs * (prompt + resp):.0f} | "
+                     f"{3 * fwd / 1e12:.2f} / {4 * fwd / 1e12:.2f} | "
+                     f"{3 * fwd / upd / 1e9:.1f} / {4 * fwd / upd / 1e9:.1f} | {4 * fwd / upd / peak['mix']:.0%} |")
+    lines += ["", f"Matmul peak, torch.matmul in {cfg.dtype} at {cfg.threads} thread(s) in each of {cfg.nproc} "
+              f"processes at once, summed, the better of before and after the runs (GFLOP/s): " + ", ".join(
+                  f"{name} [{m}x{k}]x[{k}x{n}] {peak['rates'][name] / 1e9:.1f}" for name, m, k, n, _ in peak["shapes"])
+              + f"; the forward's mix {peak['mix'] / 1e9:.1f}.", "",
+              "Update FLOPs: a forward pass is 2 x m x k x n for each matmul (the layers over every token, the LM "
+              "head over the response positions) plus causal attention; 6x counts forward + backward (3 passes, "
+              "the model FLOPs); 8x adds the recompute of activation checkpointing (the layers, and the LM-head "
+              "chunks, recomputed in backward: 4 passes), the work the CPU actually did. The update's seconds also "
+              "hold FSDP's gathers and reductions, the clip and AdamW. Peak RSS per rank: each rank process's peak "
+              "resident set over its whole life (start-up, engine, steps, checkpoint), from the kernel; the "
+              "metrics' figure is the largest rank's so far, at the end of the step's update. memory.py's estimate: "
+              "`python memory.py --device cpu` for this shape, world size and batch (memory_estimate), whose "
+              "process peak counts the trainer, the engine (float32 weights, KV cache) and the libraries. A random "
+              "model's reward is 0: every advantage is 0, and the update does all its work all the same."]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     import tyro
 
-    runtime.one_line_errors(lambda: main(tyro.cli(BenchConfig)))
+    if sys.argv[1:2] == ["shape"]:
+        runtime.one_line_errors(lambda: shape_main(tyro.cli(ShapeConfig, args=sys.argv[2:], prog="bench.py shape")))
+    else:
+        runtime.one_line_errors(lambda: main(tyro.cli(BenchConfig)))

@@ -10,6 +10,9 @@ What it does:
 - ensure_tiny_math_base: the miniature math recipe's base (`--model tiny-math`), built and cached the same way
   (ensure_base), with a chat template and a small BPE tokenizer, pretrained on data.py's chain-sum corpus to answer
   R1-style (<think> ... </think> then \\boxed{}).
+- ensure_r1_shape_base: DeepSeek-R1-Distill-Qwen-1.5B's exact shape with its layers cut to a few and random weights
+  (`--model r1-shape`), and r1_tokenizer, a byte-level BPE tokenizer whose vocabulary covers all 151,936 ids: the
+  1.5B model's memory and FLOPs per layer, vocabulary and sequence length, end to end on a CPU (bench.py shape).
 - token_logprobs: log pi(y_t | y_<t) of the response tokens, chunked over tokens so that float32 logits over the
   vocabulary exist for at most `chunk_tokens` positions at a time, with or without grad.
 
@@ -33,7 +36,11 @@ TINY = "tiny"  # the --model value that names the built-in base model
 TINY_VERSION = 4  # bump when the recipe below changes, so stale caches are rebuilt
 TINY_MATH = "tiny-math"  # the --model value that names the built-in base of the miniature math recipe
 TINY_MATH_VERSION = 1  # bump when its recipe changes
-BUILTIN = (TINY, TINY_MATH)  # --model values that name a base model built here, on first use
+R1_SHAPE = "r1-shape"  # the --model value that names R1-Distill-Qwen-1.5B's shape, 2 layers, random weights
+R1_SHAPE_VERSION = 1  # bump when its recipe changes
+R1_VOCAB = 151936  # R1-Distill-Qwen-1.5B's vocab_size (Qwen2's 151,643 BPE tokens + added ones, padded)
+R1_ADDED = R1_VOCAB - 151643  # r1_tokenizer's added tokens, after the BPE ones; the first is eos
+BUILTIN = (TINY, TINY_MATH, R1_SHAPE)  # --model values that name a base model built here, on first use
 # a chat template of the plainest kind: "<|user|>...<|assistant|>"; the response then starts with <think>
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -48,6 +55,8 @@ def resolve(name: str) -> str:
         return ensure_tiny_base(lambda: data.noisy_corpus(data.sum3_split()[0], 200_000, noise=0.65))
     if name == TINY_MATH:
         return ensure_tiny_math_base()
+    if name == R1_SHAPE:
+        return ensure_r1_shape_base()
     return name
 
 
@@ -251,6 +260,97 @@ def ensure_tiny_math_base(cache_dir: Path = DEFAULT_CACHE, steps: int = 2000, lr
 
     out = Path(cache_dir) / f"tiny-math-base-v{TINY_MATH_VERSION}-s{steps}-seed{seed}"
     return ensure_base(out, build, "a few minutes" if steps > 100 else "seconds")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The 1.5B shape: R1-Distill-Qwen-1.5B's config with its layers cut, random weights
+
+
+def r1_shape_config(layers: int = 2, vocab_size: int = R1_VOCAB) -> Qwen2Config:
+    """deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B's config.json, value for value, but num_hidden_layers (28 there).
+
+    Every layer has the 1.5B model's shape (hidden 1536, MLP 8960, 12 query heads and 2 KV heads of dim 128, QKV
+    biases), and so do the vocabulary, the untied LM head, RoPE (theta 10000) and the 128K positions: per token and
+    per layer, memory and FLOPs are the real model's. vocab_size is smaller only in tests and development runs.
+    """
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=21,
+        attention_dropout=0.0,
+        bos_token_id=vocab_size - R1_ADDED,  # 151643 as in the hub's config.json: r1_tokenizer's eos
+        eos_token_id=vocab_size - R1_ADDED,
+    )
+
+
+def r1_tokenizer(vocab_size: int = R1_VOCAB):
+    """A byte-level BPE tokenizer of Qwen2's shape with exactly vocab_size tokens, so that every id a random model
+    samples decodes (in the trainer, the reward and vLLM's detokenizer), built in seconds, with no training.
+
+    Qwen2's layout: the ids below vocab_size - R1_ADDED (151643) are BPE tokens: the 256 byte-level characters,
+    then letter strings "Ġaa", "aa", "Ġab", ... that only decoding produces (there are no merges, so text encodes
+    one token per byte, and a prompt of N ASCII characters is N tokens long). Then the R1_ADDED = 293 added tokens:
+    <|endoftext|> (eos and pad; 151643 at the full size), the chat template's <|user|> and <|assistant|>, <think>
+    and </think> (kept when decoding, as chat_tokenizer keeps them), and <|reserved_k|> specials up to the last id.
+    Saved and loaded once, so the caller holds what transformers (as Qwen2Tokenizer) and vLLM will load.
+    """
+    import itertools
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if vocab_size < 1024:
+        raise ValueError(f"vocab_size {vocab_size}: at least 1024 (256 bytes, the added tokens, some words)")
+    letters = string.ascii_lowercase
+    letter_words = ("".join(w) for n in itertools.count(2) for w in itertools.product(letters, repeat=n))
+    words = (t for w in letter_words for t in ("Ġ" + w, w))
+    chars = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 characters byte-level BPE maps bytes to
+    regular = chars + list(itertools.islice(words, vocab_size - R1_ADDED - len(chars)))
+    tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(regular)}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok.add_tokens(["<|user|>", "<|assistant|>", "<think>", "</think>"])
+    tok.add_special_tokens({"additional_special_tokens": [f"<|reserved_{k}|>" for k in range(vocab_size - len(tok))]})
+    tok.chat_template = CHAT_TEMPLATE
+    with tempfile.TemporaryDirectory() as d:
+        tok.save_pretrained(d)
+        r1_shape_config(1, vocab_size).save_pretrained(d)  # model_type qwen2: loaded as Qwen2Tokenizer
+        return AutoTokenizer.from_pretrained(d)
+
+
+def ensure_r1_shape_base(cache_dir: Path = DEFAULT_CACHE, layers: int = 2, seed: int = 0,
+                         vocab_size: int = R1_VOCAB) -> str:
+    """Path of `--model r1-shape`: r1_shape_config with `layers` layers, HF's random init (normal, std 0.02;
+    seeded), and r1_tokenizer; built on first use in seconds (0.56B parameters at 2 layers, 1.1 GB on disk).
+
+    Saved in bfloat16, as the hub's checkpoint is: half the disk and loading time of float32, and the trainer's
+    float32 master weights (and vLLM's float32 weights on CPU) hold the bf16 values exactly. An export of a run
+    is float32 (the trainer's weights). vocab_size below R1_VOCAB: tests and development runs in a few GiB.
+    """
+
+    def build():
+        torch.manual_seed(seed)
+        tok = r1_tokenizer(vocab_size)
+        model = Qwen2ForCausalLM(r1_shape_config(layers, vocab_size)).to(torch.bfloat16)
+        about = {"what": "DeepSeek-R1-Distill-Qwen-1.5B's config.json with num_hidden_layers cut; random weights",
+                 "layers": layers, "seed": seed, "vocab_size": vocab_size, "dtype": "bfloat16"}
+        return model, tok, {"r1_shape.json": json.dumps(about)}
+
+    name = f"r1-shape-v{R1_SHAPE_VERSION}-l{layers}-seed{seed}"
+    name += "" if vocab_size == R1_VOCAB else f"-vocab{vocab_size}"
+    return ensure_base(Path(cache_dir) / name, build, "seconds")
 
 
 def save_new(out: Path, model, tok, extra_files: dict[str, str] | None = None) -> None:
