@@ -119,3 +119,19 @@ def test_eval_aime_writes_samples_and_a_table_whose_pass1_recounts(vllm_engine, 
     printed = capsys.readouterr().out
     assert f"pass@1 {recount:.4f}" in printed and "problem    0" in printed
     assert json.loads(out.with_suffix(".summary.json").read_text())["pass@1"] == pytest.approx(recount)
+
+
+def test_each_stage_gives_vllm_a_share_that_fits_its_kv_cache():
+    # the presets' --gpu-memory-utilization against memory.py's estimate at 1.5B on 8 x 80 GB: beside the trainer's
+    # resident state, and (8K, 16K) holding a rank's 128 sequences at full length; 24K cannot on 80 GB at all
+    import memory
+
+    for stage, tokens in ((1, 8192), (2, 16384), (3, 24576)):
+        cfg = train.parse_args(["--stage", str(stage), "--data", "x"])
+        assert cfg.gpu_memory_utilization == memory.STAGE_SHARES[tokens]
+        rows = memory.estimate(memory.Shape(), tokens)
+        tot = memory.totals(rows)
+        assert tot["while generating: trainer's resident state + vLLM's share"] < memory.GPU_GIB - 5
+        need = rows["vLLM KV cache, a rank's sequences at full length"]
+        room = tot["KV cache the share leaves (share - weights - ~2 GiB of activations)"]
+        assert room >= need if stage < 3 else need > memory.GPU_GIB
