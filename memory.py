@@ -85,6 +85,9 @@ def estimate(s: Shape, tokens: int, ranks: int = 8, seqs_per_rank: int = 128, ch
         "fp32 gradients accumulating (unsharded)": (4 * P if micro_batches > 1 and ranks > 1 else 0) / GiB,
         "fp32 gathered: root + 2 layers": (4 * (rest + 2 * layer) if ranks > 1 else 0) / GiB,
         "root's full gradients in backward (embedding, head)": (4 * rest if ranks > 1 and micro_batches == 1 else 0) / GiB,
+        # FSDP2 gathers a group into one flat buffer, then copies it out into the parameters (and reduces from one
+        # flat copy of the gradients): for a moment the largest group, the root, exists twice
+        "FSDP's flat gather / reduce buffer (the root's group)": (4 * rest if ranks > 1 else 0) / GiB,
         "activations (one micro-batch)": acts / GiB,
         "LM head: final hidden states (fp32)": 2 * 4 * H * tokens / GiB,  # the hidden states and the gathered rows
         "LM head: one chunk's logits, softmax and their gradients": 4 * 4 * chunk_tokens * s.vocab / GiB,
@@ -103,7 +106,8 @@ def estimate(s: Shape, tokens: int, ranks: int = 8, seqs_per_rank: int = 128, ch
 
 TRAINING = ("fp32 weights (sharded)", "AdamW moments (sharded)", "fp32 gradients (sharded)",
             "fp32 gradients accumulating (unsharded)", "fp32 gathered: root + 2 layers",
-            "root's full gradients in backward (embedding, head)", "activations (one micro-batch)",
+            "root's full gradients in backward (embedding, head)", "FSDP's flat gather / reduce buffer (the root's group)",
+            "activations (one micro-batch)",
             "LM head: final hidden states (fp32)", "LM head: one chunk's logits, softmax and their gradients")
 RESIDENT = ("fp32 weights (sharded)", "AdamW moments (sharded)")  # what the trainer keeps while vLLM generates
 

@@ -115,7 +115,7 @@ def test_eval_aime_exits_2_with_one_line_before_any_engine(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip() == "error: --model /no/such/folder: no such folder, and not a hub name like org/name " \
-                               "(built-in: tiny, tiny-math)"
+                               "(built-in: tiny, tiny-math, r1-shape)"
 
 
 def test_problem_files_with_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_path):
