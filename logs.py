@@ -95,8 +95,12 @@ def plot(run: Path) -> Path:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle(str(run))
+    return save_png(fig, Path(run) / "curves.png")
+
+
+def save_png(fig: Figure, out: Path) -> Path:
+    """Writes the figure to `out` aside and renames it into place: a PNG is whole or absent."""
     fig.tight_layout()
-    out = Path(run) / "curves.png"
     fig.savefig(out.with_suffix(".tmp.png"), dpi=80)
     out.with_suffix(".tmp.png").replace(out)
     return out

@@ -17,7 +17,7 @@ from pathlib import Path
 from matplotlib.figure import Figure  # a figure of its own, drawn to a file: no pyplot, no display backend
 
 from checks import check, one_line_errors, writable
-from logs import read_rows
+from logs import read_rows, save_png
 
 STAGE_DIRS = ("s1", "s2", "s3")  # the recipe's run folders, in order; eval_<name>.summary.json beside them
 
@@ -84,10 +84,7 @@ def recipe_report(folder: Path) -> str:
         a.grid(alpha=0.3)
         for s, _, _, _ in evals[1:-1]:
             a.axvline(s, color="grey", lw=0.8, ls=":")  # stage boundaries
-    fig.tight_layout()
-    out = folder / "recipe.png"
-    fig.savefig(out.with_suffix(".tmp.png"), dpi=80)
-    out.with_suffix(".tmp.png").replace(out)
+    save_png(fig, folder / "recipe.png")
     return table
 
 
