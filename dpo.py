@@ -172,8 +172,8 @@ def load_pairs(path: str, prompt_field: str = "prompt", chosen_field: str = "cho
                rejected_field: str = "rejected") -> list[PrefRow]:
     """Preference rows from a file or HF dataset (data.py's readers). Each field is a string or a list of chat
     messages ({"role", "content"}); a response given as messages is the content of its last message, which must be
-    the assistant's (so UltraFeedback-style rows, whose "chosen" repeats the user turn, work too). A bad row stops
-    the run here, before any model loads, with one line naming the file and the row."""
+    the assistant's (so UltraFeedback-style rows, whose "chosen" repeats the user turn, work too). A bad row raises
+    data.DataError, one line naming the file and the row (train_dpo reads the data before any model loads)."""
     rows = []
     for i, row in data.read_rows(path):
         where = f"{path}: row {i}"
