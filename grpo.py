@@ -70,25 +70,28 @@ class LossConfig:
     is NeMo-RL's DeepScaleR stage-1 value; each comment is its flag's help in train.py."""
 
     leave_one_out: bool = False  # leave-one-out baseline and std (RLOO, as NeMo-RL) instead of the group's
-    adv_scale: AdvScale = "group"  # divide advantages by the group std, the batch std (TRL's scale_rewards="batch"),
-    #   or not at all (Dr. GRPO)
-    pg: PolicyLoss = "ppo"  # policy loss: clipped PPO ratio per token, GSPO's ratio per sequence (needs
-    #   --no-token-level), CISPO's clipped stop-gradient weight, or REINFORCE (no ratio)
+    # divide advantages by the group std, the batch std (TRL's scale_rewards="batch"), or not at all (Dr. GRPO)
+    adv_scale: AdvScale = "group"
+    # policy loss: clipped PPO ratio per token, GSPO's ratio per sequence (needs --no-token-level), CISPO's clipped
+    # stop-gradient weight, or REINFORCE (no ratio)
+    pg: PolicyLoss = "ppo"
     eps_low: float = 0.2  # ratio clip below 1 - eps_low (PPO)
     eps_high: float = 0.2  # ratio clip above 1 + eps_high; > eps_low is DAPO's clip-higher
     dual_clip: float = 0.0  # c > 1 bounds the loss of negative-advantage tokens at -c * A (dual-clip PPO); 0 = off
-    token_level: bool = True  # token-level mean over the global batch (DAPO); off: mean per sequence, then over
-    #   sequences (GRPO)
+    # token-level mean over the global batch (DAPO); off: mean per sequence, then over sequences (GRPO)
+    token_level: bool = True
     kl_beta: float = 0.0  # weight of the KL penalty to the initial model; > 0 loads a frozen reference copy
     kl_kind: KLKind = "k3"  # KL estimator
     kl_score_term: bool = True  # KL gradient includes the score-function term (NeMo-RL since PR #2506)
     kl_input_clamp: float = 20.0  # |ref_logp - logp| bound inside the KL estimator (NeMo-RL kl_input_clamp_value)
     kl_output_clamp: float = 10.0  # |kl_t| bound (NeMo-RL kl_output_clamp_value)
-    is_correction: ISCorrection = "none"  # engine/trainer mismatch correction: truncate (tis) or mask (icepop) token
-    #   weights, or drop whole responses (seq-mask-tis, seq-mask)
+    # engine/trainer mismatch correction: truncate (tis) or mask (icepop) token weights, or drop whole responses
+    # (seq-mask-tis, seq-mask)
+    is_correction: ISCorrection = "none"
     is_cap: float = 2.0  # upper bound of the importance weight: TIS's cap, the masks' band top
-    is_min: float = 0.0  # lower bound of the importance weight: TIS clamps below it, the masks drop what falls below
-    #   it (icepop and seq-mask-tis need one > 0)
+    # lower bound of the importance weight: TIS clamps below it, the masks drop what falls below it (icepop and
+    # seq-mask-tis need one > 0)
+    is_min: float = 0.0
 
 
 def flag(option: str, value) -> str:

@@ -46,11 +46,14 @@ class RunConfig:
     """The flags every training run has; dpo.DPOConfig changes three defaults (lr, weight_decay, dist_timeout_s)."""
 
     # model and data
-    model: str = "tiny"  # HF folder or hub name, or a built-in base built once: tiny (the demos), tiny-math (the
-    #   math recipe in miniature), r1-shape (bench.py shape)
+
+    # HF folder or hub name, or a built-in base built once: tiny (the demos), tiny-math (the math recipe in
+    # miniature), r1-shape (bench.py shape)
+    model: str = "tiny"
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
-    data: str = ""  # training data (.jsonl, .json, .parquet, or an HF dataset name[:split]): math problems (GRPO,
-    #   --task math) or preference pairs (DPO; "" = the synthetic sum3 set)
+    # training data (.jsonl, .json, .parquet, or an HF dataset name[:split]): math problems (GRPO, --task math) or
+    # preference pairs (DPO; "" = the synthetic sum3 set)
+    data: str = ""
     val_data: str = ""  # held-out data of the same kind; default: --val-fraction of --data
     val_fraction: float = 0.0  # fraction of --data held out when --val-data is not given
     # compute dtype (weights and optimizer stay float32; GRPO's engine runs in it too); auto: bfloat16 on GPU,
@@ -60,14 +63,15 @@ class RunConfig:
     micro_batch_tokens: int = 8192  # token budget of one forward/backward (padded tokens); bounds activation memory
     logprob_chunk_tokens: int = 1024  # positions per LM-head chunk when computing logprobs (memory bound)
     threads: int = 0  # torch CPU threads; 0 = this node's cores shared among its ranks
-    dist_timeout_s: int = 1800  # a collective waiting longer than this fails the run instead of hanging (GRPO: it
-    #   must outlast the slowest rank's rollout, which the others wait for in the next collective)
+    # a collective waiting longer than this fails the run instead of hanging (GRPO: it must outlast the slowest
+    # rank's rollout, which the others wait for in the next collective)
+    dist_timeout_s: int = 1800
     # optimizer
     steps: int = 200  # training steps: GRPO steps (one rollout batch each), DPO optimizer steps
     lr: float = 2e-4  # AdamW learning rate
     weight_decay: float = 0.01  # AdamW weight decay
-    warmup_steps: int = 0  # linear LR warm-up from 0.1 x lr to lr over this many steps, then constant (NeMo-RL's
-    #   LinearLR)
+    # linear LR warm-up from 0.1 x lr to lr over this many steps, then constant (NeMo-RL's LinearLR)
+    warmup_steps: int = 0
     grad_clip: float = 1.0  # max global gradient norm
     max_skipped_steps: int = 3  # stop after this many consecutive steps skipped for a non-finite loss or gradient
     # evaluation, checkpoints, logging
@@ -76,8 +80,8 @@ class RunConfig:
     out_dir: str = ""  # run folder; default runs/<date-time> (DPO: runs/dpo-<date-time>)
     seed: int = 0  # seeds the data order, sampling and torch (DPO: the synthetic set too)
     save_final: bool = True  # write the final weights as an HF checkpoint to <out_dir>/final
-    checkpoint_every: int = 50  # sharded checkpoint (model, optimizer, RNG, data order) every N steps and at the end;
-    #   0 = never
+    # sharded checkpoint (model, optimizer, RNG, data order) every N steps and at the end; 0 = never
+    checkpoint_every: int = 50
     keep_checkpoints: int = 2  # how many of the newest checkpoints to keep
     resume: bool = True  # continue from the newest complete checkpoint in <out_dir>/checkpoints when there is one
     plot: bool = True  # draw <out_dir>/curves.png at the end

@@ -50,8 +50,9 @@ class Config:
     # the rollout engine
     engine: Literal["vllm", "hf"] = "vllm"  # rollout engine: colocated vLLM, or HF generate (no vLLM needed)
     tensor_parallel_size: int = 1  # vLLM tensor parallelism over this many consecutive ranks (one engine per group)
-    gpu_memory_utilization: float = 0.6  # GPU memory share vLLM may take for its weights and KV cache while it
-    #   generates (it frees it while the trainer runs); the stage presets size it to the stage's KV cache
+    # GPU memory share vLLM may take for its weights and KV cache while it generates (it frees it while the trainer
+    # runs); the stage presets size it to the stage's KV cache
+    gpu_memory_utilization: float = 0.6
     # the task
     task: Literal["sum3", "math"] = "sum3"  # sum3: the synthetic demo task; math: problems from --data, boxed answers
     problem_field: str = "problem"  # math: field of the problem text (DeepScaleR-Preview: problem)
@@ -66,8 +67,8 @@ class Config:
     max_new_tokens: int = 8  # response length limit; a response also stops where prompt + response reach max_seq_len
     min_new_tokens: int = 0  # training responses are at least this long (EOS masked before): fixed-length benchmarks
     max_seq_len: int = 64  # prompt + response: each response gets what its prompt leaves, up to max_new_tokens
-    max_prompt_len: int = 0  # longer prompts are dropped; 0 = max_seq_len - max_new_tokens (every response has
-    #   its full max_new_tokens)
+    # longer prompts are dropped; 0 = max_seq_len - max_new_tokens (every response has its full max_new_tokens)
+    max_prompt_len: int = 0
     temperature: float = 1.0  # sampling temperature (the trainer's logprobs use the same one)
     top_p: float = 1.0  # nucleus sampling; keep 1.0 for training (the trainer does not renormalize)
     overlong_filter: bool = False  # DAPO: mask truncated responses out of the loss (they still count in the baseline)
