@@ -301,7 +301,8 @@ class Run:
         self.bad_steps = self.bad_steps + 1 if row["skipped_updates"] else 0
         if self.bad_steps >= run.max_skipped_steps:
             raise UserError(f"step {step}: non-finite loss or gradient for {self.bad_steps} steps in a row "
-                            f"(--max-skipped-steps {run.max_skipped_steps}); last checkpoint in {self.out / 'checkpoints'}")
+                            f"(--max-skipped-steps {run.max_skipped_steps}); last checkpoint in "
+                            f"{self.out / 'checkpoints'}")
         if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
             self.last_eval = self.evaluate(step)
             row.update(self.last_eval)
@@ -316,7 +317,8 @@ class Run:
             saved = checkpoint.save_step(self.out, step, self.policy, self.opt, self.sched, self.stream,
                                          {"config": asdict(self.cfg)}, run.keep_checkpoints)
             if self.stopped:
-                distributed.print0(f"interrupted after step {step}: checkpoint {saved}; the same command resumes from it")
+                distributed.print0(f"interrupted after step {step}: checkpoint {saved}; the same command resumes "
+                                   "from it")
 
     def finish(self, tok, engine=None, **summary) -> dict:
         """The run's end: the log closed and its curves drawn; after a Ctrl-C, KeyboardInterrupt (the entry point

@@ -107,7 +107,8 @@ def parse_args(argv: list[str]) -> Config:
     for i, a in enumerate(argv):
         value = a.split("=", 1)[1] if a.startswith("--stage=") else argv[i + 1] if a == "--stage" and i + 1 < len(argv) else None
         if value is not None:
-            check([(value in ("0", "1", "2", "3", "4"), f"--stage {value}: unknown stage (use 1, 2, 3, or 4 for GSPO)")])
+            check([(value in ("0", "1", "2", "3", "4"),
+                    f"--stage {value}: unknown stage (use 1, 2, 3, or 4 for GSPO)")])
             stage = int(value)
     default = runtime.config(Config, stage=stage, **STAGES[stage]) if stage else Config()
     return tyro.cli(Config, default=default, args=argv, config=(tyro.conf.OmitArgPrefixes,))
