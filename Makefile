@@ -48,7 +48,7 @@ SCALE = --model $(MODEL) --engine hf --prompts-per-step $(PROMPTS) --group-size 
 EVAL = --data $(R)/data/heldout.jsonl --k $(K) --max-tokens 72
 
 recipe: $(STAMP)
-	$(RUN) data.py sums $(R)/data
+	$(RUN) tasks.py sums $(R)/data
 	$(RUN) eval_aime.py --model $(MODEL) $(EVAL) --out $(R)/eval_base.jsonl
 	$(RUN) train.py --stage 1 $(SCALE) --max-seq-len 40 --max-new-tokens 24 --lr 3e-5 --steps $(STEPS1) --out-dir $(R)/s1
 	$(RUN) eval_aime.py --model $(R)/s1/final $(EVAL) --out $(R)/eval_s1.jsonl
@@ -56,7 +56,7 @@ recipe: $(STAMP)
 	$(RUN) eval_aime.py --model $(R)/s2/final $(EVAL) --out $(R)/eval_s2.jsonl
 	$(RUN) train.py --stage 3 $(SCALE) --init-from $(R)/s2/final --max-seq-len 88 --max-new-tokens 72 --lr 7.5e-6 --steps $(STEPS3) --out-dir $(R)/s3
 	$(RUN) eval_aime.py --model $(R)/s3/final $(EVAL) --out $(R)/eval_s3.jsonl
-	$(RUN) logs.py recipe $(R)
+	$(RUN) recipe.py $(R)
 
 # the step-time table of docs/speed.md (bench.py); TRL is only needed for its comparison row
 bench: $(STAMP)

@@ -41,12 +41,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
+import multiprocessing as mp
 
+import torch
+import tyro
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM, TrainerCallback
+
+import bases
+import checkpoint
 import data
-import model as M
+import memory
+import model
+import reward
+import rollout
 import runtime
+import tasks
 import train
+from checks import check, one_line_errors, writable
 
 PHASES = ["generate", "score", "logprobs", "update", "refit"]
 
@@ -112,31 +123,27 @@ class BenchConfig:
 def large_model() -> str:
     """A ~25M-parameter Qwen2 (hidden 512, 8 layers, 8 heads of dim 64), randomly initialized, with the tiny
     model's tokenizer; built once into the model cache (weights are random: timing does not depend on them)."""
-    from transformers import Qwen2ForCausalLM
-
-    out = M.DEFAULT_CACHE / "bench-25m-v1"
+    out = model.DEFAULT_CACHE / "bench-25m-v1"
     if not (out / "config.json").exists():
-        tok = M.tiny_tokenizer()
+        tok = bases.tiny_tokenizer()
         torch.manual_seed(0)
-        M.save_new(out, Qwen2ForCausalLM(M.tiny_config(len(tok), hidden=512, intermediate=1408, layers=8)), tok)
+        bases.save_new(out, Qwen2ForCausalLM(bases.tiny_config(len(tok), hidden=512, intermediate=1408, layers=8)), tok)
     return str(out)
 
 
 def model_for(name: str) -> str:
-    return M.resolve(M.TINY) if name == "tiny" else large_model()
+    return model.resolve(bases.TINY) if name == "tiny" else large_model()
 
 
 def step_prompts(cfg: BenchConfig, steps: int) -> list[list[str]]:
     """The prompts train.py's loop draws at each step (same stream, same seed)."""
-    train_set, _ = data.sum3_split()
+    train_set, _ = tasks.sum3_split()
     stream = data.PromptStream(len(train_set), seed=0)
     return [[train_set[i].prompt for i in stream.take(cfg.prompts)] for _ in range(steps)]
 
 
 def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int, turns: Turns) -> dict:
     """train.py's loop with the benchmark workload, then the engine's own generate on the same prompts."""
-    import rollout
-
     torch.set_num_threads(os.cpu_count() or 1)
     max_len = 16 + cfg.new_tokens
     kind = engine_name.removesuffix("-bf16")
@@ -146,10 +153,10 @@ def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int, turns: T
     else:
         engine = rollout.HFEngine(path, dtype=getattr(torch, dtype))
     with tempfile.TemporaryDirectory() as tmp:
-        tcfg = train.Config(model=path, engine=kind, dtype=dtype, steps=steps, prompts_per_step=cfg.prompts,
-                            group_size=cfg.group_size, max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens,
-                            max_seq_len=max_len, eval_every=0, checkpoint_every=0, save_final=False, plot=False,
-                            quiet=True, out_dir=tmp)
+        tcfg = runtime.config(train.Config, model=path, engine=kind, dtype=dtype, steps=steps,
+                              prompts_per_step=cfg.prompts, group_size=cfg.group_size, max_new_tokens=cfg.new_tokens,
+                              min_new_tokens=cfg.new_tokens, max_seq_len=max_len, eval_every=0, checkpoint_every=0,
+                              save_final=False, plot=False, quiet=True, out_dir=tmp)
         rows = train.train(tcfg, engine=TurnTakingEngine(engine, turns))["history"][1:]  # [0]: the step-0 record
     for r, wait in zip(rows, turns.waits, strict=True):  # one generate call per step
         r["time_generate"] -= wait
@@ -162,7 +169,7 @@ def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int, turns: T
     n_seq = cfg.prompts * cfg.group_size
     res["gen_tokens_per_s"] = n_seq * cfg.new_tokens / res["generate"]
     res["response_len"] = statistics.mean(r["response_len_mean"] for r in rows)  # = new_tokens: the workload held
-    tok = M.load_tokenizer(path)
+    tok = model.load_tokenizer(path)
     prompt_len = statistics.mean(len(tok(t)["input_ids"]) for texts in step_prompts(cfg, steps) for t in texts)
     res["train_tokens_per_s"] = n_seq * (prompt_len + cfg.new_tokens) / (res["logprobs"] + res["update"])
     res["peak_gib"] = runtime.peak_memory_gib(torch.device("cpu"))
@@ -182,7 +189,7 @@ def wrapper_vs_direct(cfg: BenchConfig, engine_name: str, engine, tok, repeats: 
 
     def own(ids, texts):
         if engine_name == "vllm":
-            from vllm import SamplingParams, TokensPrompt
+            from vllm import SamplingParams, TokensPrompt  # here: only the vLLM rows need it installed
 
             sp = SamplingParams(n=cfg.group_size, max_tokens=cfg.new_tokens, min_tokens=cfg.new_tokens,
                                 temperature=1.0, logprobs=0)
@@ -209,16 +216,14 @@ def wrapper_vs_direct(cfg: BenchConfig, engine_name: str, engine, tok, repeats: 
 def run_trl(cfg: BenchConfig, path: str, steps: int, turns: Turns, **precision) -> dict:
     """The same workload through TRL's GRPOTrainer (HF generate, one update per generation batch, no KL).
     precision: bf16 and gradient_checkpointing for GRPOConfig; left out, GRPOConfig's defaults."""
-    try:
+    try:  # here, not at the top: TRL is optional (only this comparison row needs it)
         import datasets
-        from transformers import TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as err:
         return {"error": f"TRL not installed ({err}); pip install trl==1.16.0"}
-    import reward
 
     torch.set_num_threads(os.cpu_count() or 1)
-    train_set, _ = data.sum3_split()
+    train_set, _ = tasks.sum3_split()
     ds = datasets.Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in train_set])
 
     def exact(completions, answer, **_):
@@ -259,7 +264,7 @@ def run_trl(cfg: BenchConfig, path: str, steps: int, turns: Turns, **precision) 
             dataloader_num_workers=0, **precision,
         )
         trainer = GRPOTrainer(model=path, reward_funcs=exact, args=args, train_dataset=ds,
-                              processing_class=M.load_tokenizer(path), callbacks=[StepTimer()])
+                              processing_class=model.load_tokenizer(path), callbacks=[StepTimer()])
         trainer._generate = after_turn(timed(trainer._generate, "generate"))
         trainer._calculate_rewards = timed(trainer._calculate_rewards, "score")
         trainer.train()
@@ -390,14 +395,14 @@ def cpu_description() -> str:
 
 
 def validate(cfg: BenchConfig) -> None:
-    runtime.check([
+    check([
         (cfg.prompts >= 1, f"--prompts {cfg.prompts}: must be at least 1"),
         (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO needs at least 2 samples per prompt"),
         (cfg.new_tokens >= 1, f"--new-tokens {cfg.new_tokens}: must be at least 1"),
         (cfg.steps >= 2, f"--steps {cfg.steps}: must be at least 2 (the first is warm-up)"),
         (cfg.large_steps >= 2, f"--large-steps {cfg.large_steps}: must be at least 2 (the first is warm-up)"),
         (bool(cfg.models) and bool(cfg.engines), "--models and --engines: name at least one each"),
-        (runtime.writable(Path(cfg.out)), f"--out {cfg.out}: cannot be written"),
+        (writable(Path(cfg.out)), f"--out {cfg.out}: cannot be written"),
     ])
 
 
@@ -467,7 +472,7 @@ class ShapeConfig:
     eval_problems: int = 2  # eval_aime.py on this many of the problems
     eval_k: int = 2  # eval_aime.py's samples per problem, each --response-tokens long
     layers: int = 2  # r1-shape's 2; another value builds the same shape with that many layers
-    vocab_size: int = M.R1_VOCAB  # r1-shape's; a smaller one fits a development run on 2 ranks in a few GiB
+    vocab_size: int = bases.R1_VOCAB  # r1-shape's; a smaller one fits a development run on 2 ranks in a few GiB
     out: str = "runs/bench-shape"  # table.md, results.json, each command's log; the training run in <out>/run
     # internal: load a model in this process as transformers ("hf:PATH") or vLLM ("vllm:PATH") do, and write what
     # it generated to --result (the export's checks, each in a fresh process)
@@ -485,10 +490,10 @@ def shape_main(cfg: ShapeConfig) -> None:
     shutil.rmtree(out / "run", ignore_errors=True)  # a fresh run: never resumed from an earlier bench's checkpoint
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    path = M.ensure_r1_shape_base(layers=cfg.layers, vocab_size=cfg.vocab_size)
-    builtin = (cfg.layers, cfg.vocab_size) == (2, M.R1_VOCAB)  # then train.py gets the built-in name, as a user would
+    path = bases.ensure_r1_shape_base(model.DEFAULT_CACHE, layers=cfg.layers, vocab_size=cfg.vocab_size)
+    builtin = (cfg.layers, cfg.vocab_size) == (2, bases.R1_VOCAB)  # then train.py gets the built-in name, as a user would
     res = {"config": asdict(cfg), "model": path, "cpu": cpu_description(), "build_s": time.time() - t0}
-    res["prompt_lens"] = write_problems(M.load_tokenizer(path), out, cfg)  # the tokenizer is not kept: memory
+    res["prompt_lens"] = write_problems(model.load_tokenizer(path), out, cfg)  # the tokenizer is not kept: memory
     print(f"bench shape: {path}, prompts of {statistics.mean(res['prompt_lens']):.0f} tokens; measuring the matmul "
           f"peak ...", flush=True)
     res["load_average"] = os.getloadavg()[0]  # others' work on the machine slows every figure below
@@ -502,7 +507,7 @@ def shape_main(cfg: ShapeConfig) -> None:
 
     run, export = out / "run", out / "export"
     py, seq = sys.executable, cfg.prompt_tokens + cfg.response_tokens
-    train_cmd = [py, "train.py", "--model", M.R1_SHAPE if builtin else path, "--task", "math",
+    train_cmd = [py, "train.py", "--model", bases.R1_SHAPE if builtin else path, "--task", "math",
                  "--data", str(out / "problems.jsonl"), "--engine", cfg.engine, "--dtype", cfg.dtype,
                  "--prompts-per-step", str(cfg.prompts_per_step), "--group-size", str(cfg.group_size),
                  "--max-new-tokens", str(cfg.response_tokens), "--min-new-tokens", str(cfg.response_tokens),
@@ -546,7 +551,7 @@ def shape_main(cfg: ShapeConfig) -> None:
 
 
 def validate_shape(cfg: ShapeConfig) -> None:
-    runtime.check([
+    check([
         (cfg.prompt_tokens >= 128, f"--prompt-tokens {cfg.prompt_tokens}: at least 128 (the prompt's scaffold)"),
         (cfg.response_tokens >= 1, f"--response-tokens {cfg.response_tokens}: must be at least 1"),
         (cfg.nproc >= 1, f"--nproc {cfg.nproc}: must be at least 1"),
@@ -558,7 +563,7 @@ def validate_shape(cfg: ShapeConfig) -> None:
         (cfg.threads >= 1, f"--threads {cfg.threads}: must be at least 1"),
         (cfg.layers >= 1, f"--layers {cfg.layers}: must be at least 1"),
         (cfg.vocab_size >= 1024, f"--vocab-size {cfg.vocab_size}: must be at least 1024"),
-        (runtime.writable(Path(cfg.out)), f"--out {cfg.out}: cannot be written"),
+        (writable(Path(cfg.out)), f"--out {cfg.out}: cannot be written"),
     ])
 
 
@@ -578,7 +583,7 @@ def write_problems(tok, out: Path, cfg: ShapeConfig) -> list[int]:
             problem = problem[: len(problem) - max(1, (len(data.math_prompt(tok, problem)) - cfg.prompt_tokens))]
         rows.append({"problem": problem, "answer": str(a + b)})
         lens.append(len(data.math_prompt(tok, problem)))
-    runtime.check([(max(lens) <= cfg.prompt_tokens,
+    check([(max(lens) <= cfg.prompt_tokens,
                     f"--prompt-tokens {cfg.prompt_tokens}: below the {max(lens)} tokens of the prompt's scaffold")])
     (out / "problems.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out / "eval_problems.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[: cfg.eval_problems]))
@@ -624,9 +629,7 @@ def launch(name: str, cmd: list[str], nproc: int, out: Path, threads: int) -> di
 
 
 def dist_checkpoints(run: Path) -> list[Path]:
-    import distributed
-
-    return distributed.checkpoints(run / "checkpoints")
+    return checkpoint.saved(run / "checkpoints")
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -656,8 +659,6 @@ def train_figures(run: Path, log: Path, after_step: int) -> dict:
 def check_load(cfg: ShapeConfig) -> None:
     """--check hf:PATH / vllm:PATH: load the model as transformers (AutoModelForCausalLM, AutoTokenizer) or vLLM (the
     project's engine) does, sample 8 tokens after a short prompt, and write what was loaded and generated."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     kind, path = cfg.check.split(":", 1)
     tok = AutoTokenizer.from_pretrained(path)
     ids = data.math_prompt(tok, "What is 1 + 1?")
@@ -668,8 +669,6 @@ def check_load(cfg: ShapeConfig) -> None:
                              pad_token_id=tok.pad_token_id)
         new, loaded = gen[0, len(ids):].tolist(), f"{type(m).__name__}, {m.num_parameters() / 1e6:.0f}M parameters"
     else:
-        import rollout
-
         engine = rollout.VLLMEngine(path, max_model_len=len(ids) + 8, seed=0)
         new, loaded = engine.generate([ids], n=1, max_tokens=8, min_tokens=8, seed=0)[0].token_ids, "vLLM engine"
     Path(cfg.result).write_text(json.dumps({"loaded": loaded, "tokenizer": f"{type(tok).__name__}, {len(tok)} tokens",
@@ -722,10 +721,6 @@ def matmul_peak(path: str, cfg: ShapeConfig, seq: float, seconds: float = 2.0, e
     hyperthreads of one). Per shape: the sum over processes, or the measurement `earlier` where that was faster
     (the bench measures before and after its runs); "mix": their FLOP-weighted harmonic mean, the rate at which
     a forward pass's matmuls would run at these speeds (sum of FLOPs / sum of FLOPs / rate)."""
-    import multiprocessing as mp
-
-    from transformers import AutoConfig
-
     shapes = layer_matmuls(AutoConfig.from_pretrained(path), seq, cfg.response_tokens)
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(cfg.nproc), ctx.Queue()
@@ -750,8 +745,6 @@ def memory_estimate(path: str, cfg: ShapeConfig) -> dict:
     length): its rows, and its totals, "training peak" and "process peak (trainer + engine + libraries)", the one
     a rank's peak resident set measures. With --engine hf its engine rows (a float32 copy, vLLM's KV cache) are
     vLLM's, not the HF engine's float32 copy without a preallocated cache."""
-    import memory
-
     seqs = cfg.prompts_per_step * cfg.group_size // cfg.nproc
     rows = memory.estimate(memory.Shape.from_config(path), cfg.prompt_tokens + cfg.response_tokens, ranks=cfg.nproc,
                            seqs_per_rank=seqs, micro_batches=seqs, device="cpu")
@@ -759,8 +752,6 @@ def memory_estimate(path: str, cfg: ShapeConfig) -> dict:
 
 
 def shape_table(res: dict, cfg: ShapeConfig) -> str:
-    from transformers import AutoConfig
-
     c = AutoConfig.from_pretrained(res["model"])
     f = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     prompt = statistics.mean(res["prompt_lens"])
@@ -828,9 +819,7 @@ def shape_table(res: dict, cfg: ShapeConfig) -> str:
 
 
 if __name__ == "__main__":
-    import tyro
-
     if sys.argv[1:2] == ["shape"]:
-        runtime.one_line_errors(lambda: shape_main(tyro.cli(ShapeConfig, args=sys.argv[2:], prog="bench.py shape")))
+        one_line_errors(lambda: shape_main(tyro.cli(ShapeConfig, args=sys.argv[2:], prog="bench.py shape")))
     else:
-        runtime.one_line_errors(lambda: main(tyro.cli(BenchConfig)))
+        one_line_errors(lambda: main(tyro.cli(BenchConfig)))

@@ -13,30 +13,28 @@ What it does:
   consumed (cast before the gather, so a bf16 engine's refit moves half the bytes), so the refit never holds a
   second full copy of the model beside vLLM's.
 - reductions (sum, max, grad-norm clipping) that are no-ops in a single process, and rank-0 printing.
+- sum_over_ranks: dataclasses of metric sums (a step's, a micro-batch's), each field summed over ranks at once.
 - micro_batches: token-budget micro-batches, the same number on every rank (FSDP's collectives need it).
 - reuse_freed_memory: on CPU, glibc keeps freed memory for the next step instead of returning it to the kernel.
+- close: the end of a run's distributed state, the engine first.
 
-- checkpoints: save_checkpoint / load_checkpoint with torch.distributed.checkpoint (each rank writes its shards of
-  the model and the optimizer; one small file per rank holds what must come back exactly: RNG states, the data
-  order), written to a temporary folder and renamed into place only when complete; checkpoint_problem says why a
-  folder that is there cannot be resumed from (cut short by a full disk, a partial copy).
+Imported as `distributed` (never `dist`, which reads as torch.distributed; this file imports torch's as `dist`).
 
-What it does not do: decide what to shard beyond "each decoder layer", or what goes into a checkpoint's extras.
+What it does not do: decide what to shard beyond "each decoder layer", or checkpoints (checkpoint.py writes and
+reads the shards through torch.distributed.checkpoint).
 """
 
 import ctypes
 import datetime
-import json
 import os
-import pickle
-import shutil
-import warnings
 from contextlib import contextmanager
-from pathlib import Path
+from dataclasses import fields
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 _OURS = False  # vLLM starts a world-size-1 process group of its own in a single process: never destroy that one
 _RANK, _WORLD = 0, 1  # kept after close(): a rank still knows who it is once the group is gone
@@ -86,6 +84,11 @@ def reuse_freed_memory() -> bool:
         return False
 
 
+def in_group() -> bool:
+    """Whether init started a process group (torchrun, more than one rank): collectives then cross processes."""
+    return _OURS
+
+
 def rank() -> int:
     return _RANK
 
@@ -116,6 +119,14 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def sum_over_ranks(*parts):
+    """Dataclasses of numbers (this rank's metric sums), each field summed over every rank in one collective:
+    new instances of the same classes, fields as floats. Sums in float64, so counts of tokens stay exact."""
+    values = [float(getattr(p, f.name)) for p in parts for f in fields(p)]
+    total = iter(all_reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist())
+    return tuple(type(p)(**{f.name: next(total) for f in fields(p)}) for p in parts)
+
+
 def shard(root: torch.nn.Module, lm: torch.nn.Module, checkpointing: bool) -> torch.nn.Module:
     """FSDP2 over the ranks (a no-op for one process): each decoder layer of the HF model `lm`, then `root` (the
     module whose forward the trainer calls, model.LogprobModel). Optional activation checkpointing.
@@ -133,8 +144,6 @@ def shard(root: torch.nn.Module, lm: torch.nn.Module, checkpointing: bool) -> to
         lm.config.use_cache = False
     if not _OURS:
         return root
-    from torch.distributed.fsdp import fully_shard
-
     for layer in lm.get_decoder().layers:
         fully_shard(layer)
     fully_shard(root)
@@ -197,8 +206,6 @@ def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None,
     Every rank must consume the iterator completely and in the same order (each gather is a collective). `dtype`
     casts each shard before its gather: the engine's dtype travels, not the float32 master weights.
     """
-    from torch.distributed.tensor import DTensor
-
     bucket, size = [], 0
     for name, p in model.named_parameters():
         t = p.detach() if dtype is None else p.detach().to(dtype)
@@ -229,102 +236,10 @@ def barrier() -> None:
         dist.barrier()
 
 
-def checkpoints(folder: Path) -> list[Path]:
-    """The checkpoint folders (step_NNNNNN) in `folder`, oldest first. A save killed before its rename left only a
-    .tmp-step_NNNNNN folder, which is never listed."""
-    return sorted(p for p in Path(folder).glob("step_*") if p.is_dir())
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why the checkpoint folder cannot be resumed from (a few words), or None when all its files are there and
-    its meta.json reads."""
-    try:
-        meta = json.loads((Path(path) / "meta.json").read_text())
-    except FileNotFoundError:
-        return "no meta.json"
-    except ValueError:
-        return "meta.json is not valid JSON: cut short?"
-    except OSError as e:
-        return f"meta.json unreadable: {e.strerror}"
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
-        return "meta.json has no step"
-    if not (Path(path) / ".metadata").is_file():
-        return "no .metadata: the model and optimizer shards are incomplete"
-    missing = [r for r in range(meta.get("world", 1)) if not (Path(path) / f"rank{r}.pt").is_file()]
-    return f"no rank{missing[0]}.pt" if missing else None
-
-
 def any_rank(problem: str | None) -> str | None:
     """`problem` where this rank has one; else a note when another rank has one; else None. All ranks agree."""
     others = all_reduce_max(torch.tensor([float(problem is not None)])).item() > 0
     return problem or ("failed on another rank" if others else None)
-
-
-def save_checkpoint(folder: Path, step: int, model, optimizer, meta: dict, rank_state: dict, keep: int) -> Path:
-    """folder/step_NNNNNN: sharded model and optimizer, `meta` (rank 0's JSON), `rank_state` (per rank, torch.save).
-
-    Written as folder/.tmp-step_NNNNNN and renamed when every rank has finished; then only the newest `keep` stay.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    final, tmp = Path(folder) / f"step_{step:06d}", Path(folder) / f".tmp-step_{step:06d}"
-    if is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _single_process_is_meant():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not _OURS)
-    torch.save(rank_state, tmp / f"rank{rank()}.pt")
-    barrier()
-    if is_main():
-        (tmp / "meta.json").write_text(json.dumps(dict(meta, step=step, world=world_size()), indent=1))  # last
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        # the newest `keep` up to this step stay; any later one is from a timeline this run replaced (it started
-        # over: --no-resume, or every checkpoint was damaged) and would be picked up by the next resume
-        done = checkpoints(folder)
-        for old in [c for c in done if c.name > final.name] + [c for c in done if c.name <= final.name][:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return final
-
-
-@contextmanager
-def _single_process_is_meant():
-    """torch.distributed.checkpoint warns "torch.distributed is disabled ..." on every single-process save and load,
-    even when asked for one (no_dist=True): a line that tells a user nothing."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, dict]:
-    """Loads the shards into `model` (and `optimizer`, unless None) in place; returns (meta, this rank's state)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                         set_state_dict)
-
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-        with _single_process_is_meant():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not _OURS)
-        set_model_state_dict(model, state["model"])
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        with _single_process_is_meant():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not _OURS)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    meta = json.loads((Path(path) / "meta.json").read_text())
-    # weights_only: tensors and plain Python types only; a pickle that would run code (a checkpoint from someone
-    # else) is refused, and resume() names the checkpoint and skips it
-    try:
-        return meta, torch.load(Path(path) / f"rank{rank()}.pt", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise pickle.UnpicklingError(f"rank{rank()}.pt holds more than tensors and plain Python values, refused: "
-                                     "loading it could run code") from e
 
 
 def close(engine=None) -> None:

@@ -25,6 +25,14 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import tyro
+
+import data
+import distributed
+import model
+import reward
+import rollout
+from checks import check, one_line_errors, writable
 
 
 @dataclass
@@ -77,9 +85,7 @@ def heldout_accuracy(engine, tok, prompts: list[list[int]], answers: list[str], 
     group of `tp` tensor-parallel ranks sending identical requests) takes its share; a collective. Each prompt's
     samples come from streams of its own, seeded by its index in `prompts`: independent across ranks, and the
     same figures at any world size. max_tokens: one limit, or one per prompt."""
-    import distributed as dist
-
-    first, last = dist.share(prompts, dist.rank() // tp, dist.world_size() // tp)
+    first, last = distributed.share(prompts, distributed.rank() // tp, distributed.world_size() // tp)
     mine, gold = prompts[first:last], answers[first:last]
     caps = max_tokens[first:last] if isinstance(max_tokens, list) else max_tokens
     sampled = engine.generate(mine, n=k, max_tokens=caps, temperature=temperature, seed=seed, progress=progress,
@@ -87,17 +93,15 @@ def heldout_accuracy(engine, tok, prompts: list[list[int]], answers: list[str], 
     greedy = engine.generate(mine, n=1, max_tokens=caps, temperature=0.0, seed=seed, first_index=first)
     s, g = ([reward_fn(tok.decode(x.token_ids, skip_special_tokens=True), gold[x.prompt_idx]) for x in samples]
             for samples in (sampled, greedy))
-    counted = float(dist.rank() % tp == 0)
-    tot = dist.all_reduce_sum(counted * torch.tensor([sum(s), len(s), sum(g), len(g)], dtype=torch.float64)).tolist()
+    counted = float(distributed.rank() % tp == 0)
+    tot = distributed.all_reduce_sum(counted * torch.tensor([sum(s), len(s), sum(g), len(g)], dtype=torch.float64)).tolist()
     return {"heldout_pass1": tot[0] / tot[1], "heldout_greedy": tot[2] / tot[3]} if tot[1] else {}
 
 
 def validate(cfg: EvalConfig, world: int) -> None:
     """One line naming the bad flag, before any model or engine loads."""
-    import runtime
-
-    runtime.check([
-        *runtime.model_checks("--model", cfg.model),
+    check([
+        *model.model_checks("--model", cfg.model),
         (cfg.k >= 1, f"--k {cfg.k}: must be at least 1"),
         (cfg.temperature >= 0, f"--temperature {cfg.temperature}: must be 0 (greedy) or positive"),
         (0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"),
@@ -108,7 +112,7 @@ def validate(cfg: EvalConfig, world: int) -> None:
          f"--tensor-parallel-size {cfg.tensor_parallel_size}: must divide the {world} ranks"),
         (0 < cfg.gpu_memory_utilization < 1,
          f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: must be a fraction in (0, 1)"),
-        (runtime.writable(Path(cfg.out).absolute().parent), f"--out {cfg.out}: cannot be written"),
+        (writable(Path(cfg.out).absolute().parent), f"--out {cfg.out}: cannot be written"),
     ])
 
 
@@ -118,13 +122,7 @@ def main(cfg: EvalConfig, engine=None) -> dict:
     Under torchrun each engine (each rank, or each group of --tensor-parallel-size ranks) samples its share of the
     problems; rank 0 gathers the samples and writes the same JSONL and figures as one process would: every
     problem's seed is its index in the file, whatever the split."""
-    import data
-    import distributed as dist
-    import model
-    import reward
-    import rollout
-
-    rank, world = dist.init()
+    rank, world = distributed.init()
     validate(cfg, world)
     problems = data.load_problems(cfg.data, cfg.problem_field, cfg.answer_field)  # bad rows stop here
     template = data.read_template(cfg.prompt_template)
@@ -134,7 +132,7 @@ def main(cfg: EvalConfig, engine=None) -> dict:
     max_len = cfg.max_model_len or max(map(len, prompts)) + cfg.max_tokens
     tp = cfg.tensor_parallel_size
     groups = world // tp
-    first, last = dist.share(prompts, rank // tp, groups)
+    first, last = distributed.share(prompts, rank // tp, groups)
     own_engine = engine is None  # an engine the caller brought is the caller's to close
     engine = engine or rollout.VLLMEngine(path, max_model_len=max_len, seed=cfg.seed, dtype=cfg.dtype,
                                           gpu_memory_utilization=cfg.gpu_memory_utilization, colocated=False,
@@ -149,9 +147,9 @@ def main(cfg: EvalConfig, engine=None) -> dict:
         text = tok.decode(s.token_ids, skip_special_tokens=True)
         rows.append({"problem_idx": i, "answer": problems[i].answer, "response": text,
                      "reward": score(text, problems[i].answer), "truncated": s.truncated, "tokens": len(s.token_ids)})
-    rows = [r for part in dist.gather_to_main(rows if rank % tp == 0 else []) for r in part]
-    dist.close(engine if own_engine else None)  # every collective is done
-    if not dist.is_main():
+    rows = [r for part in distributed.gather_to_main(rows if rank % tp == 0 else []) for r in part]
+    distributed.close(engine if own_engine else None)  # every collective is done
+    if not distributed.is_main():
         return {}
     out, tmp = Path(cfg.out), Path(cfg.out + ".tmp")
     with open(tmp, "w") as f:
@@ -173,8 +171,4 @@ def main(cfg: EvalConfig, engine=None) -> dict:
 
 
 if __name__ == "__main__":
-    import tyro
-
-    import runtime
-
-    runtime.one_line_errors(lambda: main(tyro.cli(EvalConfig)))
+    one_line_errors(lambda: main(tyro.cli(EvalConfig)))

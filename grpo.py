@@ -5,6 +5,10 @@ diagnostics that tell a run is healthy. Everything here is a function of tensors
 process group, so each equation can be checked against an independent float64 computation (tests/test_grpo.py,
 and NeMo-RL's own unit-test numbers in tests/test_nemo_parity.py).
 
+Each option of the objective is defined once, here, as a field of LossConfig with its choices and its help:
+train.py's flags are those fields (`--eps-high 0.28`, `--pg gspo --no-token-level`), and config_error's one-line
+messages, which name each option as its flag, are what train.py prints for a combination that is not a loss.
+
 What it does not do: decide which tokens are valid (train.py builds the mask, including overlong filtering), or
 know global quantities on its own (train.py passes `num_tokens`, already summed over micro-batches and ranks, so
 the gradient does not depend on how the batch was split, and the batch std for --adv-scale batch).
@@ -47,13 +51,104 @@ Engine/trainer mismatch corrections (LossConfig.is_correction), v_t = exp(old_lo
 With gspo, tis and icepop weigh whole responses by prod_t v_t, as NeMo-RL does for sequence-level ratios.
 """
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
+from typing import Literal, get_args
 
 import torch
 
-ADV_SCALES = ("group", "batch", "none")
-PG_KINDS = ("ppo", "gspo", "cispo", "reinforce")
-IS_CORRECTIONS = ("none", "tis", "icepop", "seq-mask-tis", "seq-mask")
+# the choices of the options that are one of a few names (LossConfig's fields use them; so do their flags)
+AdvScale = Literal["group", "batch", "none"]
+PolicyLoss = Literal["ppo", "gspo", "cispo", "reinforce"]
+KLKind = Literal["k1", "k2", "k3"]
+ISCorrection = Literal["none", "tis", "icepop", "seq-mask-tis", "seq-mask"]
+
+
+@dataclass
+class LossConfig:
+    """The options of GRPO's objective: advantages (group_advantages) and the policy loss (policy_loss). Each default
+    is NeMo-RL's DeepScaleR stage-1 value; each comment is its flag's help in train.py."""
+
+    leave_one_out: bool = False  # leave-one-out baseline and std (RLOO, as NeMo-RL) instead of the group's
+    # divide advantages by the group std, the batch std (TRL's scale_rewards="batch"), or not at all (Dr. GRPO)
+    adv_scale: AdvScale = "group"
+    # policy loss: clipped PPO ratio per token, GSPO's ratio per sequence (needs --no-token-level), CISPO's clipped
+    # stop-gradient weight, or REINFORCE (no ratio)
+    pg: PolicyLoss = "ppo"
+    eps_low: float = 0.2  # ratio clip below 1 - eps_low (PPO)
+    eps_high: float = 0.2  # ratio clip above 1 + eps_high; > eps_low is DAPO's clip-higher
+    dual_clip: float = 0.0  # c > 1 bounds the loss of negative-advantage tokens at -c * A (dual-clip PPO); 0 = off
+    # token-level mean over the global batch (DAPO); off: mean per sequence, then over sequences (GRPO)
+    token_level: bool = True
+    kl_beta: float = 0.0  # weight of the KL penalty to the initial model; > 0 loads a frozen reference copy
+    kl_kind: KLKind = "k3"  # KL estimator
+    kl_score_term: bool = True  # KL gradient includes the score-function term (NeMo-RL since PR #2506)
+    kl_input_clamp: float = 20.0  # |ref_logp - logp| bound inside the KL estimator (NeMo-RL kl_input_clamp_value)
+    kl_output_clamp: float = 10.0  # |kl_t| bound (NeMo-RL kl_output_clamp_value)
+    # engine/trainer mismatch correction: truncate (tis) or mask (icepop) token weights, or drop whole responses
+    # (seq-mask-tis, seq-mask)
+    is_correction: ISCorrection = "none"
+    is_cap: float = 2.0  # upper bound of the importance weight: TIS's cap, the masks' band top
+    # lower bound of the importance weight: TIS clamps below it, the masks drop what falls below it (icepop and
+    # seq-mask-tis need one > 0)
+    is_min: float = 0.0
+
+
+def flag(option: str, value) -> str:
+    """How the command line spells a LossConfig option and its value: ("eps_high", 0.28) -> "--eps-high 0.28",
+    ("token_level", False) -> "--no-token-level"."""
+    name = option.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no-{name}"
+    return f"--{name} {value}"
+
+
+def config_error(cfg: LossConfig) -> str:
+    """Why a combination of options is not a loss NeMo-RL defines, in one line that names the flags ('' when it is
+    one): a value that is none of its option's choices, then the combinations that make no loss."""
+    for f in fields(cfg):
+        value, choices = getattr(cfg, f.name), get_args(f.type)
+        if choices and value not in choices:
+            return f"{flag(f.name, value)}: unknown (use {', '.join(choices)})"
+    if cfg.dual_clip and cfg.dual_clip <= 1:
+        return f"{flag('dual_clip', cfg.dual_clip)}: must be 0 (off) or > 1"
+    if cfg.pg == "gspo" and cfg.token_level:
+        return "--pg gspo: GSPO's ratio is per sequence, so its loss is sequence-level: add --no-token-level"
+    if cfg.pg == "gspo" and cfg.is_correction == "seq-mask-tis":
+        return "--pg gspo: seq-mask-tis weighs tokens, GSPO weighs sequences; use tis, icepop or seq-mask"
+    if cfg.pg == "cispo" and (cfg.dual_clip or not cfg.token_level):
+        return "--pg cispo: CISPO is token-level and has no dual clip (drop --dual-clip / --no-token-level)"
+    if cfg.is_correction != "none" and not 0 <= cfg.is_min <= cfg.is_cap:
+        return f"--is-min {cfg.is_min} --is-cap {cfg.is_cap}: the band needs 0 <= is_min <= is_cap"
+    if cfg.is_correction in ("icepop", "seq-mask-tis") and cfg.is_min <= 0:
+        return (f"--is-correction {cfg.is_correction}: needs --is-min > 0 (NeMo-RL's reference bands: icepop 0.5-5, "
+                "seq-mask-tis 0.999-1.002)")
+    return ""
+
+
+@dataclass
+class LossMetrics:
+    """policy_loss's diagnostics, as sums over a micro-batch's loss tokens (responses for the sequence guards and
+    GSPO): summed over micro-batches and ranks, then divided by `tokens` (is_oob by is_units) they are the logged
+    fractions. The defaults (0) are the sums over nothing."""
+
+    loss: float | torch.Tensor = 0.0  # the loss itself (detached): its share of the global batch's loss
+    tokens: float | torch.Tensor = 0.0  # loss tokens
+    kl: float | torch.Tensor = 0.0  # sum of kl_t (before beta)
+    clip_low: float | torch.Tensor = 0.0  # tokens whose ratio fell below 1 - eps_low with A < 0 (clipped)
+    clip_high: float | torch.Tensor = 0.0  # tokens whose ratio rose above 1 + eps_high with A > 0 (clipped)
+    is_oob: float | torch.Tensor = 0.0  # units the is_correction clipped or masked
+    is_units: float | torch.Tensor = 0.0  # units it counted: tokens (tis, icepop) or responses
+
+
+@dataclass
+class Mismatch:
+    """mismatch_metrics' sums over response tokens (divide by their count), under NeMo-RL's names."""
+
+    token_mult_prob_error: float | torch.Tensor = 0.0
+    gen_kl_error: float | torch.Tensor = 0.0
+    policy_kl_error: float | torch.Tensor = 0.0
+    js_divergence_error: float | torch.Tensor = 0.0
 
 
 def group_baseline_and_std(rewards: torch.Tensor, leave_one_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +179,9 @@ def group_advantages(
 ) -> torch.Tensor:
     """Advantages [P, G] of G samples of each of P prompts, from their rewards [P, G].
 
+    Example, the default (group mean and std): rewards [[1, 0, 0, 1], [1, 1, 1, 1]] -> [[0.866, -0.866, -0.866,
+    0.866], [0, 0, 0, 0]]: the first group's mean is 0.5 and its sample std 0.577; the second carries no signal.
+
     A_i = (r_i - b_i) / (s + eps) when s > 0, else r_i - b_i, with b_i from group_baseline_and_std and
       scale="group": s = s_i of group_baseline_and_std (NeMo-RL's GRPO estimator)
       scale="batch": s = the sample std of every reward of the batch, `batch_std` when the batch spans ranks
@@ -92,8 +190,8 @@ def group_advantages(
                      near-failed prompts)
     A group whose rewards are all equal gets A = 0 exactly: it carries no learning signal.
     """
-    if scale not in ADV_SCALES:
-        raise ValueError(f"unknown advantage scale {scale!r}: use group, batch or none")
+    if scale not in get_args(AdvScale):
+        raise ValueError(f"unknown advantage scale {scale!r}: use {', '.join(get_args(AdvScale))}")
     baseline, std = group_baseline_and_std(rewards, leave_one_out)  # [P, G] each
     adv = rewards.float() - baseline
     if scale == "group":
@@ -132,46 +230,6 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3", in
         u = torch.where(x_raw == x, u, u.detach())
         kl = u * kl
     return kl.clamp(-output_clamp, output_clamp)
-
-
-@dataclass
-class LossConfig:
-    """The policy loss's options; each default is NeMo-RL's DeepScaleR stage-1 value."""
-
-    eps_low: float = 0.2  # ratio clip below 1 - eps_low (PPO)
-    eps_high: float = 0.2  # ratio clip above 1 + eps_high; > eps_low is DAPO's clip-higher
-    dual_clip: float = 0.0  # c > 1 bounds the loss of negative-advantage tokens at -c * A (dual-clip PPO); 0 = off
-    kl_beta: float = 0.0  # weight of the KL penalty to the reference model; 0 = no reference model
-    kl_kind: str = "k3"  # k1 | k2 | k3
-    token_level: bool = True  # True: DAPO token-level mean over the global batch; False: GRPO sequence-level mean
-    is_correction: str = "none"  # none | tis | icepop | seq-mask-tis | seq-mask (module docstring)
-    is_cap: float = 2.0  # upper bound of the importance weight (TIS's cap) or of the kept band
-    is_min: float = 0.0  # lower bound: TIS clamps below it, the masks drop what falls below it
-    pg: str = "ppo"  # ppo | gspo | cispo | reinforce (module docstring)
-    kl_input_clamp: float = 20.0  # |ref_logp - logp| bound inside the KL estimator (NeMo-RL kl_input_clamp_value)
-    kl_output_clamp: float = 10.0  # |kl_t| bound (NeMo-RL kl_output_clamp_value)
-    kl_score_term: bool = True  # KL gradient includes the score-function term (NeMo-RL since PR #2506)
-
-
-def config_error(cfg: LossConfig) -> str:
-    """Why a combination of options is not a loss NeMo-RL defines ('' when it is one)."""
-    if cfg.pg not in PG_KINDS:
-        return f"unknown pg {cfg.pg!r}: use {', '.join(PG_KINDS)}"
-    if cfg.is_correction not in IS_CORRECTIONS:
-        return f"unknown is_correction {cfg.is_correction!r}: use {', '.join(IS_CORRECTIONS)}"
-    if cfg.dual_clip and cfg.dual_clip <= 1:
-        return f"dual_clip must be > 1 (or 0 to turn it off), got {cfg.dual_clip}"
-    if cfg.pg == "gspo" and cfg.token_level:
-        return "GSPO's ratio is per sequence, so its loss is sequence-level: turn token_level off"
-    if cfg.pg == "gspo" and cfg.is_correction == "seq-mask-tis":
-        return "seq-mask-tis weighs tokens, GSPO weighs sequences: use tis, icepop or seq-mask with gspo"
-    if cfg.pg == "cispo" and (cfg.dual_clip or not cfg.token_level):
-        return "CISPO is token-level and has no dual clip"
-    if cfg.is_correction != "none" and not 0 <= cfg.is_min <= cfg.is_cap:
-        return f"the importance-weight band needs 0 <= is_min <= is_cap, got [{cfg.is_min}, {cfg.is_cap}]"
-    if cfg.is_correction in ("icepop", "seq-mask-tis") and cfg.is_min <= 0:
-        return f"{cfg.is_correction} needs a lower bound is_min > 0 (NeMo-RL's reference bands: 0.5-5, 0.999-1.002)"
-    return ""
 
 
 def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -218,8 +276,8 @@ def policy_loss(
     num_tokens: float,  # token level: valid tokens in the whole global (mini)batch; sequence level: number of sequences
     ref_logp: torch.Tensor | None = None,  # [B, T] reference-model logprobs when cfg.kl_beta > 0
     gen_logp: torch.Tensor | None = None,  # [B, T] the engine's logprobs, needed for is_correction
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """This micro-batch's share of the loss of the global batch, and summed diagnostics.
+) -> tuple[torch.Tensor, LossMetrics]:
+    """This micro-batch's share of the loss of the global batch, and its diagnostics (LossMetrics: sums).
 
     The returned loss is a *sum* divided by the global normalizer `num_tokens`, so summing it (and its gradient)
     over micro-batches and ranks gives exactly the full-batch loss. Metrics are sums too: divide by `tokens`, the
@@ -266,22 +324,19 @@ def policy_loss(
         loss = _seq_mean(per_token, mask).sum() / num_tokens  # an all-masked row adds 0
 
     with torch.no_grad():
-        m = mask
         clips = cfg.pg in ("ppo", "gspo", "cispo")
-        metrics = {
-            "tokens": m.sum(),
-            "kl": (kl.detach() * m).sum(),
-            "clip_low": ((ratio < 1 - cfg.eps_low) & (A < 0) & clips).to(logp.dtype).mul(m).sum(),
-            "clip_high": ((ratio > 1 + cfg.eps_high) & (A > 0) & clips).to(logp.dtype).mul(m).sum(),
-            "is_oob": is_oob,
-            "is_units": is_units,
-        }
+        metrics = LossMetrics(
+            loss=loss.detach(), tokens=mask.sum(), kl=(kl.detach() * mask).sum(),
+            clip_low=((ratio < 1 - cfg.eps_low) & (A < 0) & clips).to(logp.dtype).mul(mask).sum(),
+            clip_high=((ratio > 1 + cfg.eps_high) & (A > 0) & clips).to(logp.dtype).mul(mask).sum(),
+            is_oob=is_oob, is_units=is_units)
     return loss, metrics
 
 
-def mismatch_metrics(gen_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Sums that measure how far the engine's sampling distribution is from the trainer's (divide by `tokens`),
-    under NeMo-RL's names so its thresholds apply. With d = gen_logp - old_logp at each sampled token:
+def mismatch_metrics(gen_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> Mismatch:
+    """Sums that measure how far the engine's sampling distribution is from the trainer's (divide by the count of
+    tokens in `mask`), under NeMo-RL's names so its thresholds apply. With d = gen_logp - old_logp at each sampled
+    token ([B, T] each):
 
     token_mult_prob_error = mean_t exp(|d|)                      (healthy < 1.05)
     gen_kl_error          = mean_t k3(-d) = e^-d - 1 + d         KL(P_gen || P_train), samples from the engine
@@ -293,13 +348,9 @@ def mismatch_metrics(gen_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch
     m = mask.to(torch.float64)
     old, gen = old_logp.double(), gen_logp.double()
     d = (gen - old).clamp(-20, 20)
-    lm = torch.logaddexp(old, gen) - torch.log(torch.tensor(2.0, dtype=torch.float64))  # log M
+    lm = torch.logaddexp(old, gen) - math.log(2.0)  # log M
     k3 = lambda x: torch.exp(x) - 1 - x  # noqa: E731
     # NeMo's KL(P || M) term is e^(logP - logM) - (logP - logM) - 1, i.e. k3 at x = logP - logM
     js = 0.5 * k3(old - lm) + 0.5 * k3(gen - lm)
-    return {
-        "token_mult_prob_error": (torch.exp(d.abs()) * m).sum(),
-        "gen_kl_error": (k3(-d) * m).sum(),
-        "policy_kl_error": (k3(d) * m).sum(),
-        "js_divergence_error": (js * m).sum(),
-    }
+    return Mismatch(token_mult_prob_error=(torch.exp(d.abs()) * m).sum(), gen_kl_error=(k3(-d) * m).sum(),
+                    policy_kl_error=(k3(d) * m).sum(), js_divergence_error=(js * m).sum())

@@ -23,6 +23,9 @@ full activations and their gradients while it is recomputed.
 from dataclasses import dataclass
 from typing import Literal
 
+import tyro
+from transformers import AutoConfig
+
 GiB = 2**30
 GPU_GIB = 80.0  # an H100 / A100 80 GB
 # vLLM's share of each GPU in train.py's stage presets (kept equal by tests/test_math.py)
@@ -41,8 +44,6 @@ class Shape:
 
     @classmethod
     def from_config(cls, path: str) -> "Shape":
-        from transformers import AutoConfig
-
         c = AutoConfig.from_pretrained(path)
         return cls(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
                    c.num_key_value_heads, c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)))
@@ -139,8 +140,6 @@ def table(s: Shape, lengths=(8192, 16384, 24576), **kw) -> str:
 
 
 if __name__ == "__main__":
-    import tyro
-
     def main(config: str = "", ranks: int = 8, seqs_per_rank: int = 128, chunk_tokens: int = 1024,
              checkpointing: bool = True, micro_batches: int = 2, device: Literal["gpu", "cpu"] = "gpu",
              vllm_fraction: float | None = None, gpu_gib: float = GPU_GIB, lengths: tuple[int, ...] = (8192, 16384, 24576),

@@ -11,14 +11,20 @@ What it does not do: decide what to generate (train.py), score responses (reward
 (distributed.py streams them; this file only consumes the stream).
 """
 
+import hashlib
+import json
 import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 import torch
+from tqdm import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
+
+import model
 
 
 @dataclass
@@ -99,7 +105,7 @@ class VLLMEngine:
         # real one is back right after (below), so the warning would only puzzle a user
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(lambda r: "set_num_threads" not in r.getMessage())
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # stops vLLM from dropping torch to one thread
-        from vllm import LLM
+        from vllm import LLM  # here, not at the top: after the settings above, and HFEngine needs no vLLM installed
 
         kwargs = dict(
             model=model_path, max_model_len=max_model_len, seed=seed, dtype=dtype,
@@ -144,7 +150,7 @@ class VLLMEngine:
         seeded requests cost nothing extra: its sampler's noise is a hash of (seed, position), for all rows at
         once. Seeds are taken modulo 2^31 and shifted past the indices, so that two seeds never overlap.
         """
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams, TokensPrompt  # here, not at the top: HFEngine needs no vLLM installed
 
         if self.asleep:  # waking here would sample from the weights it slept with, not the trainer's newest
             raise RuntimeError("the vLLM engine is asleep: load_weights (the refit) wakes it")
@@ -224,10 +230,8 @@ class HFEngine:
 
     def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                  batch_size: int = 256, device: str | torch.device = "cpu"):
-        from model import load_model, load_tokenizer
-
-        self.model = load_model(model_path, dtype=dtype, trust_remote_code=trust_remote_code).to(device).eval()
-        tok = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+        self.model = model.load_model(model_path, dtype=dtype, trust_remote_code=trust_remote_code).to(device).eval()
+        tok = model.load_tokenizer(model_path, trust_remote_code=trust_remote_code)
         self.eos, self.pad = tok.eos_token_id, tok.pad_token_id
         self.batch_size = batch_size
         on_gpu = self.model.device.type == "cuda"
@@ -244,18 +248,12 @@ class HFEngine:
         two on a small model) and keeps the answer in the model cache, which every later engine on the machine
         reads: runs stay reproducible. The faster path must win the median pair by 3%, or the defaults stay.
         """
-        import hashlib
-        import json
-        import time
-
-        from model import DEFAULT_CACHE
-
         cpu = sorted({ln for ln in open("/proc/cpuinfo") if ln.startswith(("model name", "flags"))}) \
             if os.path.exists("/proc/cpuinfo") else []  # the CPU's model and its instruction-set extensions
         shape = {k: v for k, v in self.model.config.to_dict().items() if not k.startswith("_")}  # not its path
         what = [cpu, os.cpu_count(), torch.__version__, shape, str(self.model.dtype)]
         key = hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
-        path = DEFAULT_CACHE / "cpu-decode" / f"{key[:16]}.json"
+        path = model.DEFAULT_CACHE / "cpu-decode" / f"{key[:16]}.json"
         if path.exists():
             return json.loads(path.read_text())["fast"]
         flat = [(0, list(range(1, 9)))] * 32
@@ -288,8 +286,6 @@ class HFEngine:
         the draws, unlike vLLM's.
         Per-prompt limits: a batch generates up to its largest, and each response is cut at its own (generation
         is causal: the tokens up to a limit are those a run stopped there would have drawn)."""
-        from tqdm import tqdm
-
         if seed is not None:
             torch.manual_seed(hash((seed, first_index)) if first_index else seed)
         caps = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)

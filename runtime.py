@@ -1,128 +1,195 @@
-"""What every training entry point needs around its loop: flag checks, process set-up, Ctrl-C, checkpoints.
+"""What every training run has around its loop, GRPO's (train.py) and DPO's (dpo.py) alike: its flags, its process,
+its optimizer, and the loop's bookkeeping.
 
 What it does:
-- check / one_line_errors: a bad flag or input file ends the command with one line on stderr that names it, and
-  exit status 2, before any model or engine loads. model_checks says what is wrong with a --model value.
-- setup_process: this rank's threads, seed, device and compute dtype (bf16_compute, autocast); load_trainable:
-  the trainer's model, sharded over the ranks.
-- run_folder, resume_or_start, skipped_in_a_row, end_of_step: the loop's bookkeeping, which GRPO and DPO share
-  (where a run writes, where it starts, when it stops); CtrlC: the first Ctrl-C stops the loop after the current
-  step, with a checkpoint; a second one aborts. timed: a phase's seconds, for the metrics.
-- save_step / resume: a checkpoint holds everything a resumed run needs to continue exactly (model and optimizer
-  shards through distributed.py, and on every rank the LR schedule, the data order and the RNG); resume picks the
-  newest checkpoint that can be read and says, in one line, why it skipped any newer one.
-- save_hf / export_hf: HF folders that transformers and vLLM load, from a live run or from any saved step.
+- RunConfig: the flags both entry points share (model, data, compute, optimizer, evaluation, checkpoints, logging),
+  defined once: train.Config and dpo.DPOConfig each hold one as `run`, and the command line keeps them flat (--lr,
+  --steps). run_checks: their one-line checks. config(): a config from flat values, as the command line spells them.
+- setup_process: this rank's threads, seed, device and compute dtype (bf16_compute, autocast).
+- optimizer: AdamW and the LR schedule both loops use (warmup_factor: NeMo-RL's LinearLR, 0.1 x lr -> lr);
+  optimizer_step: clip, then step unless the gradient is not finite; accumulate: metric sums over micro-batches.
+- Run: the loop's bookkeeping. The run folder and its metrics.jsonl, resume or step 0's evaluation, the progress
+  bar, the held-out evaluation every --eval-every steps, each step's row, --max-skipped-steps, checkpoints,
+  Ctrl-C (CtrlC: the first stops the loop after its step, with a checkpoint; a second aborts), the final weights
+  and the summary.
+- timed, reset_peak_memory, peak_memory_gib: a phase's seconds and the trainer's peak memory, for the metrics.
 
-GRPO (train.py) and DPO (dpo.py) share these; each keeps its own loop. What it does not do: anything of the
-algorithm, or the checkpoint file format itself (distributed.py writes and reads the shards).
+What it does not do: anything of an algorithm (each loop's body is train.py's or dpo.py's), the checkpoint format
+(checkpoint.py), or the metrics file (logs.py).
 """
 
+import importlib.util
 import json
 import os
 import resource
-import shutil
 import signal
 import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
+from tqdm import tqdm
 
-import distributed as dist
-import model as M
-
-# ----------------------------------------------------------------------------------------------------------------
-# Flag and input checks
-
-
-def check(checks: list[tuple[bool, str]]) -> None:
-    """The first failed check ends the command with its one-line message."""
-    for ok, msg in checks:
-        if not ok:
-            raise SystemExit(f"error: {msg}")
+import checkpoint
+import distributed
+import logs
+import model
+from checks import UserError, writable
 
 
-def one_line_errors(run) -> None:
-    """Bad flags and bad data end the command with their one-line message on stderr and exit status 2."""
-    try:
-        run()
-    except SystemExit as e:
-        if isinstance(e.code, str) and e.code.startswith("error:"):
-            print(e.code, file=sys.stderr)
-            sys.exit(2)
-        raise
+@dataclass
+class RunConfig:
+    """The flags every training run has; dpo.DPOConfig changes three defaults (lr, weight_decay, dist_timeout_s)."""
+
+    # model and data
+
+    # HF folder or hub name, or a built-in base built once: tiny (the demos), tiny-math (the math recipe in
+    # miniature), r1-shape (bench.py shape)
+    model: str = "tiny"
+    trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
+    # training data (.jsonl, .json, .parquet, or an HF dataset name[:split]): math problems (GRPO, --task math) or
+    # preference pairs (DPO; "" = the synthetic sum3 set)
+    data: str = ""
+    val_data: str = ""  # held-out data of the same kind; default: --val-fraction of --data
+    val_fraction: float = 0.0  # fraction of --data held out when --val-data is not given
+    # compute dtype (weights and optimizer stay float32; GRPO's engine runs in it too); auto: bfloat16 on GPU,
+    # float32 on CPU, where bfloat16 pays only on CPUs with bf16 instructions (avx512_bf16, AMX): docs/engines.md
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long sequences)
+    micro_batch_tokens: int = 8192  # token budget of one forward/backward (padded tokens); bounds activation memory
+    logprob_chunk_tokens: int = 1024  # positions per LM-head chunk when computing logprobs (memory bound)
+    threads: int = 0  # torch CPU threads; 0 = this node's cores shared among its ranks
+    # a collective waiting longer than this fails the run instead of hanging (GRPO: it must outlast the slowest
+    # rank's rollout, which the others wait for in the next collective)
+    dist_timeout_s: int = 1800
+    # optimizer
+    steps: int = 200  # training steps: GRPO steps (one rollout batch each), DPO optimizer steps
+    lr: float = 2e-4  # AdamW learning rate
+    weight_decay: float = 0.01  # AdamW weight decay
+    # linear LR warm-up from 0.1 x lr to lr over this many steps, then constant (NeMo-RL's LinearLR)
+    warmup_steps: int = 0
+    grad_clip: float = 1.0  # max global gradient norm
+    max_skipped_steps: int = 3  # stop after this many consecutive steps skipped for a non-finite loss or gradient
+    # evaluation, checkpoints, logging
+    eval_every: int = 25  # held-out evaluation every N steps (and at start and end); 0 = never
+    eval_samples: int = 4  # samples per held-out prompt for pass@1 (GRPO: at --temperature; DPO's sum3 demo: at 1)
+    out_dir: str = ""  # run folder; default runs/<date-time> (DPO: runs/dpo-<date-time>)
+    seed: int = 0  # seeds the data order, sampling and torch (DPO: the synthetic set too)
+    save_final: bool = True  # write the final weights as an HF checkpoint to <out_dir>/final
+    # sharded checkpoint (model, optimizer, RNG, data order) every N steps and at the end; 0 = never
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2  # how many of the newest checkpoints to keep
+    resume: bool = True  # continue from the newest complete checkpoint in <out_dir>/checkpoints when there is one
+    plot: bool = True  # draw <out_dir>/curves.png at the end
+    tensorboard: bool = False  # also log to <out_dir>/tensorboard (needs the tensorboard package)
+    wandb_project: str = ""  # also log to this Weights & Biases project (needs the wandb package)
+    quiet: bool = False  # no progress bar (the JSON lines are still written)
 
 
-def writable(folder: Path) -> bool:
-    """Whether `folder` exists as a writable folder, or could be created (its nearest existing parent is)."""
-    folder = Path(folder).absolute()
-    while not folder.exists():
-        if folder.parent == folder:
-            return False
-        folder = folder.parent
-    return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
-
-
-def model_checks(flag: str, value: str) -> list[tuple[bool, str]]:
-    """A --model value is a built-in base's name, an HF model folder, or (where no such path exists) a hub name."""
-    if value in M.BUILTIN:
-        return []
-    p = Path(value)
+def run_checks(run: RunConfig) -> list[tuple[bool, str]]:
+    """The checks of the flags every run has, as (condition, one-line message)."""
     return [
-        (not p.exists() or p.is_dir(), f"{flag} {value}: a file, not an HF model folder"),
-        (not p.is_dir() or (p / "config.json").is_file(), f"{flag} {value}: not an HF model folder (no config.json)"),
-        (p.exists() or value.count("/") == 1,
-         f"{flag} {value}: no such folder, and not a hub name like org/name (built-in: {', '.join(M.BUILTIN)})"),
-    ]
-
-
-def run_checks(cfg) -> list[tuple[bool, str]]:
-    """The checks every training entry point makes (GRPO and DPO): model, output, optimizer, logging."""
-    import importlib.util
-
-    return [
-        (cfg.steps >= 1, f"--steps {cfg.steps}: must be at least 1"),
-        (cfg.lr > 0, f"--lr {cfg.lr}: must be positive"),
-        *model_checks("--model", cfg.model),
-        (writable(Path(cfg.out_dir or "runs")), f"--out-dir {cfg.out_dir or 'runs'}: cannot be written"),
-        (cfg.max_skipped_steps >= 1, f"--max-skipped-steps {cfg.max_skipped_steps}: must be at least 1"),
-        (not cfg.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+        (run.steps >= 1, f"--steps {run.steps}: must be at least 1"),
+        (run.lr > 0, f"--lr {run.lr}: must be positive"),
+        (run.warmup_steps >= 0, f"--warmup-steps {run.warmup_steps}: must be 0 (off) or positive"),
+        *model.model_checks("--model", run.model),
+        (0.0 <= run.val_fraction < 1.0, f"--val-fraction {run.val_fraction}: must be in [0, 1)"),
+        (run.dist_timeout_s > 0, f"--dist-timeout-s {run.dist_timeout_s}: must be positive"),
+        (writable(Path(run.out_dir or "runs")), f"--out-dir {run.out_dir or 'runs'}: cannot be written"),
+        (run.max_skipped_steps >= 1, f"--max-skipped-steps {run.max_skipped_steps}: must be at least 1"),
+        (not run.tensorboard or importlib.util.find_spec("tensorboard") is not None,
          "--tensorboard: needs the tensorboard package (pip install tensorboard)"),
-        (not cfg.wandb_project or importlib.util.find_spec("wandb") is not None,
-         f"--wandb-project {cfg.wandb_project}: needs the wandb package (pip install wandb)"),
+        (not run.wandb_project or importlib.util.find_spec("wandb") is not None,
+         f"--wandb-project {run.wandb_project}: needs the wandb package (pip install wandb)"),
     ]
 
 
+def config(cls, **values):
+    """A `cls` (train.Config, dpo.DPOConfig) from values named as flat as the command line names them
+    (`steps=3, kl_beta=0.1`): each goes to the field of that name, in cls itself or in a dataclass it holds (run,
+    loss), whose other fields keep cls's defaults. For the stage presets (train.STAGES), bench.py and the tests."""
+    nested = {}
+    for f in fields(cls):
+        default = f.default_factory() if f.default_factory is not MISSING else None
+        if is_dataclass(default):
+            own = {g.name for g in fields(default)}
+            nested[f.name] = replace(default, **{k: values.pop(k) for k in list(values) if k in own})
+    return cls(**values, **nested)
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Process set-up
+# The process, the optimizer
 
 
-def bf16_compute(cfg, device) -> bool:
+def bf16_compute(run: RunConfig, device) -> bool:
     """Whether forward and backward run in bfloat16: --dtype bfloat16, or auto on a GPU."""
-    return cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    return run.dtype == "bfloat16" or (run.dtype == "auto" and device.type == "cuda")
 
 
-def autocast(cfg, device):
+def autocast(run: RunConfig, device):
     """The one precision policy, at any world size: float32 weights (sharded or not), matmuls in bf16 where
     bf16_compute, while norms, softmax, the residual stream and the LM head (model.py) stay float32."""
     # no weight cache: under FSDP it would keep a bf16 copy of every layer's gathered weights until the forward ends
-    return torch.autocast(device.type, torch.bfloat16, enabled=bf16_compute(cfg, device), cache_enabled=False)
+    return torch.autocast(device.type, torch.bfloat16, enabled=bf16_compute(run, device), cache_enabled=False)
 
 
-def setup_process(cfg) -> tuple[torch.device, bool]:
+def setup_process(run: RunConfig) -> tuple[torch.device, bool]:
     """(device, bf16) of this rank, after setting its torch threads and seed; on CPU, glibc keeps freed memory for
     the next step (no page faults on every step's activations: distributed.reuse_freed_memory)."""
     # torchrun starts one process per GPU (or per share of a CPU): they divide the node's cores among them
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(cfg.threads or max(1, cores // dist.local_world_size()))
-    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(run.threads or max(1, cores // distributed.local_world_size()))
+    torch.manual_seed(run.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu":
-        dist.reuse_freed_memory()
-    return device, bf16_compute(cfg, device)
+        distributed.reuse_freed_memory()
+    return device, bf16_compute(run, device)
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """LR factor after `step` steps: NeMo-RL's LinearLR(start_factor=0.1, end_factor=1.0, total_iters=warmup_steps),
+    then constant."""
+    if warmup_steps <= 0:
+        return 1.0
+    return 0.1 + 0.9 * min(step, warmup_steps) / warmup_steps
+
+
+def optimizer(policy, run: RunConfig):
+    """(AdamW over the policy's parameters, its LR schedule): warmup_factor, stepped once per training step whose
+    update ran (a step skipped for a non-finite gradient does not count), as NeMo-RL steps it once per GRPO step."""
+    opt = torch.optim.AdamW(policy.parameters(), lr=run.lr, weight_decay=run.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_factor(s, run.warmup_steps))
+
+
+def optimizer_step(policy, opt, max_norm: float) -> tuple[float, bool]:
+    """Clip the gradient by its global norm, then AdamW's step, unless the norm is not finite (a NaN or inf in the
+    loss or the gradient): then the weights and the optimizer's state stay as they were, on every rank alike (the
+    norm is over all ranks). Returns (the norm before clipping, whether the step was skipped)."""
+    grad_norm = distributed.clip_grad_norm(policy, max_norm)
+    skipped = not bool(torch.isfinite(grad_norm))
+    if not skipped:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(grad_norm), skipped
+
+
+def accumulate(total, part, weight: float | torch.Tensor = 1.0) -> None:
+    """total += part, field by field, for dataclasses of metric sums (grpo.LossMetrics, dpo.PairMetrics): each
+    field of `part` (a number, or a tensor of any shape) times `weight`, summed, added to total's float."""
+    for f in fields(total):
+        setattr(total, f.name, getattr(total, f.name) + float((torch.as_tensor(getattr(part, f.name)) * weight).sum()))
+
+
+@contextmanager
+def timed(times: dict, name: str):
+    """Adds the seconds the block takes to times[name]."""
+    t = time.time()
+    yield
+    times[name] = times.get(name, 0.0) + time.time() - t
 
 
 def reset_peak_memory(device) -> None:
@@ -141,17 +208,11 @@ def peak_memory_gib(device, engine_bytes: int = 0) -> float:
         gib = (torch.cuda.max_memory_allocated(device) - engine_bytes) / 2**30
     else:
         gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
-    return dist.all_reduce_max(torch.tensor([gib])).item()
+    return distributed.all_reduce_max(torch.tensor([gib])).item()
 
 
-def load_trainable(path: str, device, checkpointing: bool, trust_remote_code: bool = False,
-                   dtype: torch.dtype = torch.float32) -> M.LogprobModel:
-    """An HF model in float32 (the optimizer's master weights), wrapped to return logprobs, sharded over ranks.
-    The tests pass float64 to compare world sizes and micro-batchings without float32's summation-order noise.
-    Loaded on the CPU and sharded before it reaches the device, so no GPU holds the whole float32 model
-    (distributed.shard). bf16 compute is autocast's (autocast), the same at any world size."""
-    lm = M.load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    return dist.shard(M.LogprobModel(lm), lm, checkpointing=checkpointing).to(device)
+# ----------------------------------------------------------------------------------------------------------------
+# The loop's bookkeeping
 
 
 class CtrlC:
@@ -173,138 +234,108 @@ class CtrlC:
         return self._set
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The loop's bookkeeping
+class Run:
+    """One run's bookkeeping, the same for GRPO and DPO, in the order their loops meet it:
 
+        run = Run(cfg, policy, opt, sched, stream, evaluate, ...)  # folder and log; resume, or evaluate step 0
+        for step in run.steps():                                   # the steps still to run, under a progress bar
+            row = ...                                              # the algorithm's step, and its metrics row
+            run.end_step(step, row)                                # evaluate, log, checkpoint, Ctrl-C
+        return run.finish(tok)                                     # final weights, summary
 
-def run_folder(cfg, prefix: str = "") -> Path:
-    """--out-dir, by default runs/<prefix><date-time>; rank 0 creates it and writes the run's config.json."""
-    out = Path(cfg.out_dir or f"runs/{prefix}{time.strftime('%Y%m%d-%H%M%S')}")
-    if dist.is_main():
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-    return out
-
-
-def resume_or_start(out: Path, cfg, policy, opt, sched, stream, first_row) -> tuple[int, list[dict], object]:
-    """(the step to continue after, the metrics rows so far, rank 0's RunLog or None).
-
-    With --resume (default) and a readable checkpoint in <out>/checkpoints, everything continues from it and
-    metrics.jsonl is cut back to its step. Otherwise the run starts at step 0, whose row is first() (the start
-    weights' held-out figures, or nothing when --eval-every is 0)."""
-    from logs import RunLog
-
-    log = RunLog(out, cfg.tensorboard, cfg.wandb_project, asdict(cfg)) if dist.is_main() else None
-    resumed = resume(out / "checkpoints", policy, opt, sched, stream) if cfg.resume else None
-    if resumed is not None:
-        ckpt, start = resumed
-        dist.print0(f"resumed from {ckpt} at step {start}")
-        return start, log.start(keep_until=start) if log else [], log
-    history = [dict(step=0, **(first_row() if cfg.eval_every else {}))]
-    if log:
-        log.start(keep_until=None)
-        log.write(history[0])
-    return 0, history, log
-
-
-def skipped_in_a_row(bad_steps: int, skipped: int, step: int, cfg, out: Path) -> int:
-    """Steps in a row with a skipped (non-finite) update; --max-skipped-steps of them stop the run."""
-    bad_steps = bad_steps + 1 if skipped else 0
-    if bad_steps >= cfg.max_skipped_steps:
-        raise SystemExit(f"error: step {step}: non-finite loss or gradient for {bad_steps} steps in a row "
-                         f"(--max-skipped-steps {cfg.max_skipped_steps}); last checkpoint in {out / 'checkpoints'}")
-    return bad_steps
-
-
-def end_of_step(step: int, cfg, out: Path, policy, opt, sched, stream, meta: dict, ctrl_c: "CtrlC") -> bool:
-    """A checkpoint every --checkpoint-every steps, at the last step, and when Ctrl-C was pressed on any rank;
-    returns whether the run stops here (Ctrl-C), after saying how to resume."""
-    stop = dist.all_reduce_max(torch.tensor([float(ctrl_c.is_set())])).item() > 0
-    if stop or (cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps)):
-        saved = save_step(out, step, policy, opt, sched, stream, meta, cfg.keep_checkpoints)
-        if stop:
-            dist.print0(f"interrupted after step {step}: checkpoint {saved}; the same command resumes from it")
-    return stop
-
-
-@contextmanager
-def timed(times: dict, name: str):
-    """Adds the seconds the block takes to times[name]."""
-    t = time.time()
-    yield
-    times[name] = times.get(name, 0.0) + time.time() - t
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Checkpoints and HF export
-
-
-def save_step(out: Path, step: int, policy, opt, sched, stream, meta: dict, keep: int) -> Path:
-    """A checkpoint of all a resumed run needs: model and optimizer shards (distributed.py), and on every rank the
-    LR schedule, the data order and position (data.PromptStream), and the torch RNG."""
-    rank_state = dict(sched=sched.state_dict(), stream_rng=stream.rng.getstate(), stream_buf=stream.buf,
-                      torch_rng=torch.get_rng_state())
-    return dist.save_checkpoint(out / "checkpoints", step, policy, opt, meta, rank_state, keep=keep)
-
-
-def resume(folder: Path, policy, opt, sched, stream) -> tuple[Path, int] | None:
-    """Restore the newest checkpoint in `folder` that can be read; (its path, its step), or None to start fresh.
-
-    A damaged checkpoint (a meta.json cut short by a full disk, a missing or unreadable shard) is skipped with one
-    line saying which and why, and the one before it is used; when none can be read the run starts as its flags
-    say, and says so (its metrics.jsonl starts over).
+    `evaluate(step)` returns the held-out figures (keys heldout_*); `stream` is the data order a checkpoint keeps;
+    `show` names the progress bar's figures ({label: metric}); `sigint`: whether this run owns Ctrl-C (a
+    command-line run does; a caller's process, such as the tests', keeps its own).
     """
-    skipped = []
-    for ckpt in dist.checkpoints(folder)[::-1]:
-        problem = dist.checkpoint_problem(ckpt)
-        if problem is None:
-            try:
-                meta, rank_state = dist.load_checkpoint(ckpt, policy, opt)
-            except Exception as e:  # a torn shard: the model and optimizer are loaded again from an older one
-                problem = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        problem = dist.any_rank(problem)
-        if problem is not None:
-            dist.print0(f"checkpoint {ckpt} is damaged ({problem}): skipped")
-            skipped.append(ckpt)
-            continue
-        sched.load_state_dict(rank_state["sched"])
-        stream.rng.setstate(rank_state["stream_rng"])
-        stream.buf = rank_state["stream_buf"]
-        torch.set_rng_state(rank_state["torch_rng"])
-        return ckpt, meta["step"]
-    if skipped:
-        dist.print0(f"no readable checkpoint in {folder}: starting from step 0 as the flags say (metrics start over)")
-    return None
 
+    def __init__(self, cfg, policy, opt, sched, stream, evaluate, label: str, show: dict[str, str],
+                 folder_prefix: str = "", sigint: bool = False):
+        self.cfg, self.run, self.label, self.show = cfg, cfg.run, label, show
+        self.policy, self.opt, self.sched, self.stream, self.evaluate = policy, opt, sched, stream, evaluate
+        self.out = Path(self.run.out_dir or f"runs/{folder_prefix}{time.strftime('%Y%m%d-%H%M%S')}")
+        self.log = None
+        if distributed.is_main():
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+            self.log = logs.RunLog(self.out, self.run.tensorboard, self.run.wandb_project, asdict(cfg))
+        self.start, self.history = self._resume_or_start()
+        self.last_eval = next((r for r in reversed(self.history) if any(k.startswith("heldout") for k in r)), {})
+        self.ctrl_c, self.stopped, self.bad_steps = CtrlC(install=sigint), False, 0
+        self.t_start = self.t_step = time.time()
 
-def save_hf(lm, tok, folder: Path) -> None:
-    """An HF checkpoint (config, safetensors, tokenizer) that transformers and vLLM load directly. A collective
-    under FSDP (every rank gathers, only rank 0 keeps a full copy); rank 0 writes it aside and renames it into
-    place, never half-written."""
-    state = dist.full_state_dict(lm)
-    if dist.is_main():
-        folder, tmp = Path(folder), Path(str(folder) + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        lm.save_pretrained(tmp, state_dict=state)
-        tok.save_pretrained(tmp)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
+    def _resume_or_start(self) -> tuple[int, list[dict]]:
+        """(the step to continue after, the metrics rows so far). With --resume (default) and a readable checkpoint
+        in <out>/checkpoints, everything continues from it and metrics.jsonl is cut back to its step. Otherwise the
+        run starts at step 0, whose row holds the start weights' held-out figures (none when --eval-every is 0)."""
+        resumed = None
+        if self.run.resume:
+            resumed = checkpoint.resume(self.out / "checkpoints", self.policy, self.opt, self.sched, self.stream)
+        if resumed is not None:
+            ckpt, start = resumed
+            distributed.print0(f"resumed from {ckpt} at step {start}")
+            return start, self.log.start(keep_until=start) if self.log else []
+        history = [dict(step=0, **(self.evaluate(0) if self.run.eval_every else {}))]
+        if self.log:
+            self.log.start(keep_until=None)
+            self.log.write(history[0])
+        return 0, history
 
+    def steps(self):
+        """The steps still to run, start + 1 .. --steps, under a progress bar on rank 0; none more after a Ctrl-C."""
+        self.bar = tqdm(range(self.start + 1, self.run.steps + 1), disable=self.run.quiet or not distributed.is_main(),
+                        desc=self.label, dynamic_ncols=True)
+        self.t_start = time.time()
+        for step in self.bar:
+            self.t_step = time.time()
+            yield step
+            if self.stopped:
+                break
+        self.bar.close()
 
-def export_hf(argv: list[str], script: str) -> None:
-    """`python SCRIPT export RUN/checkpoints/step_NNNNNN OUT`: the HF checkpoint of any saved step (GRPO or DPO:
-    the run's start weights come from the config the checkpoint recorded)."""
-    check([(len(argv) == 3, f"usage: python {script} export RUN/checkpoints/step_NNNNNN OUT_FOLDER")])
-    ckpt, out = Path(argv[1]), Path(argv[2])
-    check([(ckpt.is_dir(), f"{ckpt}: no such checkpoint folder")])
-    problem = dist.checkpoint_problem(ckpt)
-    check([(problem is None, f"{ckpt}: not a readable checkpoint ({problem})"),
-           (writable(out.parent), f"{out}: cannot be written")])
-    meta = json.loads((ckpt / "meta.json").read_text())
-    cfg = meta["config"]
-    path = cfg.get("init_from") or M.resolve(cfg["model"])
-    remote = cfg.get("trust_remote_code", False)
-    policy = load_trainable(path, torch.device("cpu"), False, remote)
-    dist.load_checkpoint(ckpt, policy, None)
-    save_hf(policy.lm, M.load_tokenizer(path, remote), out)
-    print(f"exported step {meta['step']} of {ckpt} to {out}")
+    def end_step(self, step: int, row: dict) -> None:
+        """A step's end. Its row (with `skipped_updates`) gets the held-out figures every --eval-every steps and at
+        the last, and the seconds of the step and of the run, and is logged; --max-skipped-steps steps in a row
+        with a skipped update stop the run; a checkpoint is saved every --checkpoint-every steps, at the last, and
+        when Ctrl-C was pressed on any rank (then the loop ends here)."""
+        run = self.run
+        self.bad_steps = self.bad_steps + 1 if row["skipped_updates"] else 0
+        if self.bad_steps >= run.max_skipped_steps:
+            raise UserError(f"step {step}: non-finite loss or gradient for {self.bad_steps} steps in a row "
+                            f"(--max-skipped-steps {run.max_skipped_steps}); last checkpoint in "
+                            f"{self.out / 'checkpoints'}")
+        if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
+            self.last_eval = self.evaluate(step)
+            row.update(self.last_eval)
+        row.update(time_step=time.time() - self.t_step, elapsed=time.time() - self.t_start)
+        self.history.append(row)
+        if self.log:
+            self.log.write(row)
+            shown = {**self.last_eval, **row}
+            self.bar.set_postfix({name: f"{shown.get(key, 0.0):.3f}" for name, key in self.show.items()})
+        self.stopped = distributed.all_reduce_max(torch.tensor([float(self.ctrl_c.is_set())])).item() > 0
+        if self.stopped or (run.checkpoint_every and (step % run.checkpoint_every == 0 or step == run.steps)):
+            saved = checkpoint.save_step(self.out, step, self.policy, self.opt, self.sched, self.stream,
+                                         {"config": asdict(self.cfg)}, run.keep_checkpoints)
+            if self.stopped:
+                distributed.print0(f"interrupted after step {step}: checkpoint {saved}; the same command resumes "
+                                   "from it")
+
+    def finish(self, tok, engine=None, **summary) -> dict:
+        """The run's end: the log closed and its curves drawn; after a Ctrl-C, KeyboardInterrupt (the entry point
+        exits with status 130); else the final weights (<out_dir>/final, an HF folder) and a one-line JSON summary
+        (with `summary`'s extra figures). `engine`: one the caller owns, closed before the process group."""
+        if self.log:
+            self.log.close()
+            if self.run.plot:
+                logs.plot(self.out)
+        if self.stopped:
+            distributed.close(engine)
+            raise KeyboardInterrupt
+        if self.run.save_final:
+            checkpoint.save_hf(self.policy.lm, tok, self.out / "final")
+        if distributed.is_main():
+            heldout = lambda row: {k: v for k, v in row.items() if k.startswith("heldout")}  # noqa: E731
+            print(json.dumps(dict(out_dir=str(self.out), minutes=(time.time() - self.t_start) / 60, **summary,
+                                  first=heldout(self.history[0]), last=heldout(self.last_eval))), flush=True)
+        distributed.close(engine)
+        return dict(history=self.history, out_dir=str(self.out))

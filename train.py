@@ -2,130 +2,90 @@
 `--help` lists every flag; `python train.py export CKPT OUT` writes a saved step as an HF folder.
 
 One GRPO step, as train() runs it (each a named call below, in this order):
-    1. take the step's P prompts; each engine its share                          data.PromptStream
-    2. generate G responses per prompt, with the engine's logprobs               collect_groups -> rollout.py
-    3. score each response: 1 or 0                                               collect_groups -> reward.py
-    4. advantages from each group's rewards                                      grpo.group_advantages
-    5. the trainer's old (and reference) logprobs of the sampled tokens          update_policy -> model.py
+    1. take the step's P prompts; each engine its share                          rollout_round -> data.PromptStream
+    2. generate G responses per prompt, with the engine's logprobs               rollout_round -> rollout.py
+    3. score each response: 1 or 0                                               score -> reward.py
+       (1-3 once per round, collect_groups; more rounds only with --dynamic-sampling)
+    4. advantages from each group's rewards                                      grpo.group_advantages, make_batch
+    5. the trainer's old (and reference) logprobs of the sampled tokens          old_logprobs
     6. per minibatch: loss -> backward over token-budget micro-batches -> clip -> AdamW     update_policy -> grpo.py
     7. refit: the engine gets the new weights                                    rollout.Engine.load_weights
-    8. metrics reduced over ranks, held-out evaluation, checkpoint               step_metrics, eval_aime, runtime
+    8. metrics reduced over ranks, held-out evaluation, checkpoint               step_metrics, runtime.Run.end_step
 Each step writes one JSON line to <out_dir>/metrics.jsonl (logs.py); a run resumes from the newest readable
 checkpoint in <out_dir>/checkpoints; the final weights go to <out_dir>/final. Under torchrun the trainer is
 sharded with FSDP2 and each engine generates for its share of the prompts (distributed.py).
 
-What it does not do: anything the files it calls own. The math is in grpo.py, tasks and prompts in data.py,
-checkpoints, process set-up and Ctrl-C in runtime.py.
+What it does not do: anything the files it calls own. The math and the loss's options are in grpo.py, problems and
+prompts in data.py (the demo's task in tasks.py), the bookkeeping around the loop (flags every run has, resume,
+evaluation cadence, checkpoints, Ctrl-C) in runtime.py, which dpo.py's loop shares.
 """
 
-import json
 import os
 import sys
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 import torch
+import tyro
 
 import data
-import distributed as dist
+import distributed
 import eval_aime
 import grpo
-import model as M
+import model
 import reward
 import rollout
 import runtime
-from logs import plot
+import tasks
+from checkpoint import export_hf
+from checks import UserError, check, one_line_errors
 
 
 @dataclass
 class Config:
-    # model and engine
-    model: str = "tiny"  # HF path or hub name; "tiny" / "tiny-math": the built-in demo / math-recipe base (built once)
+    """GRPO's flags. The options of its objective (`loss`: grpo.LossConfig) and the flags every training run has
+    (`run`: runtime.RunConfig) are dataclasses of their own; on the command line all flags are flat (--eps-high,
+    --lr), and `--help` lists them in three groups."""
+
+    # the rollout engine
     engine: Literal["vllm", "hf"] = "vllm"  # rollout engine: colocated vLLM, or HF generate (no vLLM needed)
     tensor_parallel_size: int = 1  # vLLM tensor parallelism over this many consecutive ranks (one engine per group)
-    gpu_memory_utilization: float = 0.6  # GPU memory share vLLM may take for its weights and KV cache while it
-    #   generates (it frees it while the trainer runs); the stage presets size it to the stage's KV cache
-    trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
-    # compute and engine dtype (weights and optimizer stay float32); auto: bfloat16 on GPU, float32 on CPU, where
-    # bfloat16 pays only on CPUs with bf16 instructions (avx512_bf16, AMX): see docs/engines.md
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long sequences)
-    dist_timeout_s: int = 1800  # a collective waiting longer than this fails the run instead of hanging (it must
-    #   outlast the slowest rank's rollout: the others wait for it in the next collective)
-    max_skipped_steps: int = 3  # stop after this many consecutive updates skipped for a non-finite loss or gradient
+    # GPU memory share vLLM may take for its weights and KV cache while it generates (it frees it while the trainer
+    # runs); the stage presets size it to the stage's KV cache
+    gpu_memory_utilization: float = 0.6
     # the task
     task: Literal["sum3", "math"] = "sum3"  # sum3: the synthetic demo task; math: problems from --data, boxed answers
-    data: str = ""  # math: training problems (.jsonl, .json, .parquet, or an HF dataset name[:split])
-    val_data: str = ""  # math: held-out problems; default: --val-fraction of --data
-    val_fraction: float = 0.0  # math: fraction of --data held out for validation when --val-data is not given
-    problem_field: str = "problem"  # field of the problem text (DeepScaleR-Preview: problem)
-    answer_field: str = "answer"  # field of the gold answer (DeepScaleR-Preview: answer)
+    problem_field: str = "problem"  # math: field of the problem text (DeepScaleR-Preview: problem)
+    answer_field: str = "answer"  # math: field of the gold answer (DeepScaleR-Preview: answer)
     prompt_template: str = ""  # a text file with {problem}, used instead of the chat template + instruction
     stage: Literal[0, 1, 2, 3, 4] = 0  # DeepScaleR preset (1: 8K, 2: 16K, 3: 24K, 4: GSPO 8K); flags override it
     init_from: str = ""  # start from this HF checkpoint folder (e.g. the previous stage's <out_dir>/final)
-    # batch shape
-    steps: int = 200  # GRPO steps (one rollout batch each)
+    # the batch
     prompts_per_step: int = 32  # P: prompts per step, over all ranks
     group_size: int = 8  # G: samples per prompt
     minibatch_size: int = 0  # sequences per optimizer step; 0 = the whole step's P*G samples (one update per step)
-    micro_batch_tokens: int = 8192  # token budget of one forward/backward (padded tokens); bounds activation memory
     max_new_tokens: int = 8  # response length limit; a response also stops where prompt + response reach max_seq_len
     min_new_tokens: int = 0  # training responses are at least this long (EOS masked before): fixed-length benchmarks
     max_seq_len: int = 64  # prompt + response: each response gets what its prompt leaves, up to max_new_tokens
-    max_prompt_len: int = 0  # longer prompts are dropped; 0 = max_seq_len - max_new_tokens (every response has
-    #   its full max_new_tokens)
+    # longer prompts are dropped; 0 = max_seq_len - max_new_tokens (every response has its full max_new_tokens)
+    max_prompt_len: int = 0
     temperature: float = 1.0  # sampling temperature (the trainer's logprobs use the same one)
     top_p: float = 1.0  # nucleus sampling; keep 1.0 for training (the trainer does not renormalize)
-    # optimizer
-    lr: float = 2e-4  # AdamW learning rate
-    weight_decay: float = 0.01  # AdamW weight decay
-    warmup_steps: int = 0  # linear LR warm-up from 0.1 x lr to lr over this many GRPO steps (NeMo-RL's LinearLR)
-    grad_clip: float = 1.0  # max global gradient norm
-    # advantages and loss (grpo.py)
-    leave_one_out: bool = False  # leave-one-out baseline and std (RLOO, as NeMo-RL) instead of the group's
-    adv_scale: Literal["group", "batch", "none"] = "group"  # divide advantages by the group std, the batch std
-    #   (TRL's scale_rewards="batch"), or not at all (Dr. GRPO)
-    pg: Literal["ppo", "gspo", "cispo", "reinforce"] = "ppo"  # policy loss: clipped PPO ratio per token, GSPO's
-    #   ratio per sequence (needs --no-token-level), CISPO's clipped stop-gradient weight, or REINFORCE (no ratio)
-    eps_low: float = 0.2  # ratio clip 1 - eps_low
-    eps_high: float = 0.2  # ratio clip 1 + eps_high (> eps_low: DAPO clip-higher)
-    dual_clip: float = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
-    kl_beta: float = 0.0  # KL penalty to the initial model; > 0 loads a frozen reference copy
-    kl_kind: Literal["k1", "k2", "k3"] = "k3"  # KL estimator
-    token_level: bool = True  # token-level loss aggregation over the global batch (False: per-sequence mean)
-    overlong_filter: bool = False  # mask truncated responses out of the loss (they still count in the baseline)
-    is_correction: Literal["none", "tis", "icepop", "seq-mask-tis", "seq-mask"] = "none"  # engine/trainer mismatch
-    #   correction: truncate (tis) or mask (icepop) token weights, or drop whole sequences (seq-mask-tis, seq-mask)
-    is_cap: float = 2.0  # upper bound of the importance weight: TIS's cap, the masks' band top
-    is_min: float = 0.0  # lower bound of the importance weight (icepop and seq-mask-tis need one > 0)
-    kl_score_term: bool = True  # KL gradient includes the score-function term (NeMo-RL since PR #2506)
+    overlong_filter: bool = False  # DAPO: mask truncated responses out of the loss (they still count in the baseline)
     dynamic_sampling: bool = False  # DAPO: drop groups with all-equal rewards, draw more prompts to refill the batch
     dynamic_sampling_max_tries: int = 4  # generation rounds per step before training on what was kept
-    # evaluation, logging, system
-    eval_every: int = 25  # held-out evaluation every N steps (and at start and end); 0 = never
+    # evaluation and progress
     eval_prompts: int = 200  # held-out prompts evaluated
-    eval_samples: int = 4  # samples per held-out prompt for pass@1 (temperature = --temperature)
-    out_dir: str = ""  # run folder; default runs/<date-time>
-    seed: int = 0  # seeds data order, init of sampling, and torch
-    threads: int = 0  # torch CPU threads; 0 = this node's cores shared among its ranks
-    logprob_chunk_tokens: int = 1024  # positions per LM-head chunk when computing logprobs (memory bound)
-    save_final: bool = True  # write the final weights as an HF checkpoint to <out_dir>/final
-    checkpoint_every: int = 50  # sharded checkpoint (model, optimizer, RNG, data order) every N steps and at the end; 0 = never
-    keep_checkpoints: int = 2  # how many of the newest checkpoints to keep
-    resume: bool = True  # continue from the newest complete checkpoint in <out_dir>/checkpoints when there is one
-    plot: bool = True  # draw <out_dir>/curves.png at the end
-    tensorboard: bool = False  # also log to <out_dir>/tensorboard (needs the tensorboard package)
-    wandb_project: str = ""  # also log to this Weights & Biases project (needs the wandb package)
-    quiet: bool = False  # no progress bar (the JSON lines are still written)
     detailed_progress: bool = False  # also bars for each step's rollout, training and evaluation (long GPU steps)
+    loss: grpo.LossConfig = field(default_factory=grpo.LossConfig)
+    run: runtime.RunConfig = field(default_factory=runtime.RunConfig)
 
 
-# DeepScaleR's three stages as NeMo-RL ran them on 8 GPUs (README: Math, the DeepScaleR recipe). Each stage starts
-# from the previous one's final checkpoint (--init-from). As in NeMo-RL, each response gets all that its prompt
-# leaves of max_seq_len (prompts of at most 1024 tokens). vLLM's share of each GPU holds the weights and the KV
-# cache of a rank's 128 sequences, 28 KiB per token at 1.5B: 0.6 of 80 GB fits them at 8K; at 16K and 24K the
-# shares are as large as the trainer's resident state allows, and long groups preempt (docs/distributed.md).
+# DeepScaleR's three stages as NeMo-RL ran them on 8 GPUs (README: Math, the DeepScaleR recipe), as flags. Each
+# stage starts from the previous one's final checkpoint (--init-from). As in NeMo-RL, each response gets all that
+# its prompt leaves of max_seq_len (prompts of at most 1024 tokens). vLLM's share of each GPU holds the weights and
+# the KV cache of a rank's 128 sequences, 28 KiB per token at 1.5B: 0.6 of 80 GB fits them at 8K; at 16K and 24K
+# the shares are as large as the trainer's resident state allows, and long groups preempt (docs/distributed.md).
 _DEEPSCALER = dict(task="math", prompts_per_step=128, group_size=8, minibatch_size=64, weight_decay=0.01,
                    warmup_steps=50, grad_clip=1.0, temperature=1.0, eps_low=0.2, activation_checkpointing=True,
                    eval_every=10, eval_samples=16, detailed_progress=True, leave_one_out=True, max_prompt_len=1024,
@@ -143,17 +103,15 @@ STAGES[4] = dict(STAGES[1], pg="gspo", token_level=False)  # NeMo-RL's grpo-gspo
 
 def parse_args(argv: list[str]) -> Config:
     """The command line: `--stage N` sets the preset's values as defaults, and every other flag overrides them."""
-    import tyro
-
     stage = 0
     for i, a in enumerate(argv):
         value = a.split("=", 1)[1] if a.startswith("--stage=") else argv[i + 1] if a == "--stage" and i + 1 < len(argv) else None
         if value is not None:
-            if value not in ("0", "1", "2", "3", "4"):
-                raise SystemExit(f"error: --stage {value}: unknown stage (use 1, 2, 3, or 4 for GSPO)")
+            check([(value in ("0", "1", "2", "3", "4"),
+                    f"--stage {value}: unknown stage (use 1, 2, 3, or 4 for GSPO)")])
             stage = int(value)
-    default = Config(stage=stage, **STAGES[stage]) if stage else Config()
-    return tyro.cli(Config, default=default, args=argv)
+    default = runtime.config(Config, stage=stage, **STAGES[stage]) if stage else Config()
+    return tyro.cli(Config, default=default, args=argv, config=(tyro.conf.OmitArgPrefixes,))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -162,82 +120,50 @@ def parse_args(argv: list[str]) -> Config:
 
 def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     """Run GRPO; `engine` lets a caller (the tests, bench.py) bring an engine that already holds the base model."""
-    rank, world = dist.init(cfg.dist_timeout_s)
-    validate(cfg, world)  # bad flags and bad data stop the run here, before any model or engine loads
-    device, bf16 = runtime.setup_process(cfg)
-    out = runtime.run_folder(cfg)
-    task = load_task(cfg)
-    policy = runtime.load_trainable(task.path, device, cfg.activation_checkpointing, cfg.trust_remote_code)
+    rank, world = distributed.init(cfg.run.dist_timeout_s)
+    validate(cfg, world)  # bad flags stop the run here, before any model or engine loads
+    device, bf16 = runtime.setup_process(cfg.run)
+    task = load_task(cfg)  # and bad data here
+    policy = model.load_trainable(task.path, device, cfg.run.activation_checkpointing, cfg.run.trust_remote_code)
     ref = None
-    if cfg.kl_beta > 0:  # the frozen initial model, sharded like the policy, only when the KL term is on
-        ref = runtime.load_trainable(task.path, device, False, cfg.trust_remote_code).eval().requires_grad_(False)
+    if cfg.loss.kl_beta > 0:  # the frozen initial model, sharded like the policy, only when the KL term is on
+        ref = model.load_trainable(task.path, device, False, cfg.run.trust_remote_code).eval().requires_grad_(False)
     engine_dtype = torch.bfloat16 if bf16 else torch.float32
     own_engine = engine is None  # an engine the caller brought is the caller's to close
     engine = engine or make_engine(cfg, task.path, engine_dtype, device)
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_factor(s, cfg.warmup_steps))
-    stream = data.PromptStream(len(task.train), cfg.seed)
-    evaluate = lambda step: eval_aime.heldout_accuracy(  # noqa: E731
-        engine, task.tok, task.heldout_prompts, [p.answer for p in task.heldout], task.reward_fn, cfg.eval_samples,
-        [budget(cfg, p) for p in task.heldout_prompts], cfg.temperature, cfg.seed + step, cfg.tensor_parallel_size,
-        _bars(cfg))
-    start, history, log = runtime.resume_or_start(out, cfg, policy, opt, sched, stream, first_row=lambda: evaluate(0))
-    if start:
-        engine.load_weights(dist.full_weights(policy.lm, engine_dtype))  # the engine samples from resumed weights
-    last_eval = next((r for r in reversed(history) if "heldout_pass1" in r), {})
-    from tqdm import tqdm
-
-    bar = tqdm(range(start + 1, cfg.steps + 1), disable=cfg.quiet or not dist.is_main(), desc="GRPO",
-               dynamic_ncols=True)
-    t_start, bad_steps, stop = time.time(), 0, False
-    ctrl_c = runtime.CtrlC(install=__name__ == "__main__")  # only a command-line run owns the process's SIGINT
-    for step in bar:
-        t0, times = time.time(), {}
-        # 1-3. this rank's share of the step's prompts, G responses each, scored
-        groups = collect_groups(engine, task, stream, cfg, step, times)
+    opt, sched = runtime.optimizer(policy, cfg.run)
+    stream = data.PromptStream(len(task.train), cfg.run.seed)
+    run = runtime.Run(cfg, policy, opt, sched, stream, lambda step: evaluate(engine, task, cfg, step), label="GRPO",
+                      show=dict(reward="reward_mean", heldout="heldout_pass1", mpe="token_mult_prob_error"),
+                      sigint=__name__ == "__main__")  # only a command-line run owns the process's Ctrl-C
+    if run.start:  # resumed: the engine samples from the resumed weights
+        engine.load_weights(distributed.full_weights(policy.lm, engine_dtype))
+    for step in run.steps():
+        times = {}
+        groups = collect_groups(engine, task, stream, cfg, step, times)  # 1-3: prompts -> G responses -> rewards
         engine.sleep()  # on GPU the trainer gets the engine's memory until the refit wakes the engine
         runtime.reset_peak_memory(device)  # peak_mem_gib: the trainer's peak, steps 4-6
-        # 4. advantages: each response's reward against its group's
-        adv = grpo.group_advantages(groups.rewards, cfg.leave_one_out, cfg.adv_scale,
-                                    batch_std=batch_std(groups.rewards, cfg))  # [P, G]
+        adv = grpo.group_advantages(groups.rewards, cfg.loss.leave_one_out, cfg.loss.adv_scale,
+                                    batch_std=batch_std(groups.rewards, cfg))  # 4. [P, G]
         batch = make_batch(groups.prompts, groups.samples, adv.flatten(), cfg.overlong_filter, task.tok.pad_token_id)
-        # 5-6. old (and reference) logprobs, then one AdamW step per minibatch
-        upd = update_policy(policy, ref, opt, sched, batch, cfg, device, rank * (cfg.prompts_per_step // world), times)
+        with runtime.timed(times, "logprobs"):
+            batch = old_logprobs(policy, ref, batch, cfg, device)  # 5.
+        with runtime.timed(times, "update"):
+            upd = update_policy(policy, opt, sched, batch, cfg, device, groups.first_group)  # 6.
         peak_gib = runtime.peak_memory_gib(device, engine.device_bytes)
-        bad_steps = runtime.skipped_in_a_row(bad_steps, upd.skipped, step, cfg, out)
-        # 7. refit: the engine samples the next step from the new weights
-        with runtime.timed(times, "refit"):
-            engine.load_weights(dist.full_weights(policy.lm, engine_dtype))
-        # 8. metrics over all ranks, held-out evaluation, checkpoint
-        row = step_metrics(step, groups, batch, adv, upd, sched, times, peak_gib)
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-            last_eval = evaluate(step)
-            row.update(last_eval)
-        row.update(time_step=time.time() - t0)
-        row.update(tokens_per_s=row["response_len_mean"] * row["seqs"] / row["time_step"], elapsed=time.time() - t_start)
-        history.append(row)
-        if log:
-            log.write(row)
-            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", heldout=f"{last_eval.get('heldout_pass1', 0):.2f}",
-                            mpe=f"{row['token_mult_prob_error']:.3f}")
-        stop = runtime.end_of_step(step, cfg, out, policy, opt, sched, stream, {"config": asdict(cfg)}, ctrl_c)
-        if stop:
-            break
-    bar.close()
-    if log:
-        log.close()
-        if cfg.plot:
-            plot(out)
-    if stop:
-        dist.close(engine if own_engine else None)
-        raise SystemExit(130)
-    if cfg.save_final:
-        runtime.save_hf(policy.lm, task.tok, out / "final")
-    summary = dict(out_dir=str(out), minutes=(time.time() - t_start) / 60,
-                   first=history[0], last={k: v for k, v in history[-1].items() if k.startswith("heldout")})
-    dist.print0(json.dumps(summary))
-    dist.close(engine if own_engine else None)
-    return dict(history=history, out_dir=str(out))
+        with runtime.timed(times, "refit"):  # 7. the engine samples the next step from the new weights
+            engine.load_weights(distributed.full_weights(policy.lm, engine_dtype))
+        run.end_step(step, step_metrics(step, groups, batch, adv, upd, sched, times, peak_gib))  # 8.
+    return run.finish(task.tok, engine if own_engine else None)
+
+
+def evaluate(engine: rollout.Engine, task: "Task", cfg: Config, step: int) -> dict:
+    """Held-out pass@1 and greedy accuracy (eval_aime.heldout_accuracy) of the engine's current weights."""
+    return eval_aime.heldout_accuracy(
+        engine, task.tok, task.heldout_prompts, [p.answer for p in task.heldout], task.reward_fn,
+        cfg.run.eval_samples, [budget(cfg, p) for p in task.heldout_prompts], cfg.temperature,
+        cfg.run.seed + step,  # fresh samples at every evaluation, the same ones at any world size
+        cfg.tensor_parallel_size, _bars(cfg))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -254,47 +180,70 @@ class Groups:
     drawn: int  # groups generated, over every dynamic-sampling round (this rank's engine)
     zero_variance: int  # of those, groups whose rewards were all equal (no learning signal)
     rounds: int  # generation rounds (1 unless dynamic sampling drew more)
+    first_group: int  # the step-wide index of this rank's first group (minibatches are made of whole groups)
 
 
 def collect_groups(engine, task: "Task", stream: data.PromptStream, cfg: Config, step: int, times: dict) -> Groups:
-    """Steps 1-3: the step's prompts -> G responses each -> rewards.
+    """Steps 1-3: the step's prompts -> G responses to each -> a reward for each, this rank's share.
 
-    Each engine takes its share of the step's prompts (the ranks of a tensor-parallel engine send it identical
-    requests, then each keeps its part) and a prompt's G samples stay on one rank. With dynamic sampling (DAPO),
-    groups whose rewards are all equal are dropped and more prompts are drawn until every engine has its share of
-    informative groups or the tries run out; all ranks make the same number of tries.
+    Example, the demo (P = 32, G = 8, one rank): the stream gives 32 indices into the training set; the engine
+    answers each prompt 8 times ("3+9+4=" -> "16", "12", "16", ...) and each answer is scored against the gold one:
+      Groups(prompts=[32 prompts' token ids], samples=[256 samples, prompt-major], rewards=[[1., 0., 1., ...], ...]
+             (a [32, 8] tensor), drawn=32, zero_variance=5, rounds=1, first_group=0)
+
+    Each engine takes its share of the step's prompts (rollout_round) and a prompt's G samples stay on one rank; the
+    ranks of a tensor-parallel engine send it identical requests, then each keeps its part of the groups. With
+    dynamic sampling (DAPO), groups whose rewards are all equal are dropped and more rounds drawn until every engine
+    has its share of informative groups or the tries run out; all ranks make the same number of rounds.
     """
-    world, tp, G = dist.world_size(), cfg.tensor_parallel_size, cfg.group_size
-    tp_rank, dp_rank = dist.rank() % tp, dist.rank() // tp
+    world, tp = distributed.world_size(), cfg.tensor_parallel_size
     share, per_rank = cfg.prompts_per_step // (world // tp), cfg.prompts_per_step // world
-    kept = []  # (prompt index, its G samples, its [G] rewards)
-    drawn = zero = rounds = 0
+    kept, drawn, zero_variance, rounds = [], 0, 0, 0
     while True:
-        ids = stream.take(cfg.prompts_per_step)[dp_rank * share : (dp_rank + 1) * share]
-        prompts = [task.train_prompts[i] for i in ids]
-        with runtime.timed(times, "generate"):
-            new = engine.generate(prompts, n=G, max_tokens=[budget(cfg, p) for p in prompts],
-                                  temperature=cfg.temperature, top_p=cfg.top_p, progress=_bars(cfg),
-                                  min_tokens=cfg.min_new_tokens, seed=hash((cfg.seed, step, rounds)) % 2**31,
-                                  first_index=dp_rank * share)  # the prompts' place in the step: streams of their own
-        with runtime.timed(times, "score"):
-            r = torch.tensor([task.reward_fn(task.tok.decode(s.token_ids, skip_special_tokens=True),
-                                             task.train[ids[s.prompt_idx]].answer) for s in new]).view(len(ids), G)
-        rounds, drawn, zero = rounds + 1, drawn + len(ids), zero + int((r.std(1) == 0).sum())
-        for g, i in enumerate(ids):
-            if len(kept) < share and (not cfg.dynamic_sampling or r[g].std() > 0):
-                kept.append((i, new[g * G : (g + 1) * G], r[g]))
+        # a seed per step and round: fresh samples, the same at any world size (rollout_round gives each prompt
+        # its own stream, seeded by its place in the step)
+        groups = rollout_round(engine, task, stream, cfg, hash((cfg.run.seed, step, rounds)) % 2**31, times)
+        rounds, drawn = rounds + 1, drawn + len(groups)
+        zero_variance += sum(int(rewards.std() == 0) for _, _, rewards in groups)
+        kept += [g for g in groups if not cfg.dynamic_sampling or g[2].std() > 0][: share - len(kept)]
         if not cfg.dynamic_sampling or rounds >= cfg.dynamic_sampling_max_tries:
             break
-        if dist.all_reduce_sum(torch.tensor([float(len(kept) < share)])).item() == 0:
+        if distributed.all_reduce_sum(torch.tensor([float(len(kept) < share)])).item() == 0:  # every engine is full
             break
-    kept = kept[tp_rank * per_rank : (tp_rank + 1) * per_rank]
-    if not kept:  # nothing informative: one zero-advantage group keeps every rank's batch non-empty
-        kept = [(ids[0], new[:G], r[0])]
-    return Groups(prompts=[task.train_prompts[i] for i, _, _ in kept],
-                  samples=[replace(s, prompt_idx=k) for k, (_, group, _) in enumerate(kept) for s in group],
-                  rewards=torch.stack([r for _, _, r in kept]),  # P < per_rank when dynamic sampling ran short
-                  drawn=drawn, zero_variance=zero, rounds=rounds)
+    tp_rank = distributed.rank() % tp
+    mine = kept[tp_rank * per_rank : (tp_rank + 1) * per_rank]  # P < per_rank when dynamic sampling ran short
+    if not mine:  # nothing informative: one zero-advantage group keeps every rank's batch non-empty
+        mine = groups[:1]
+    return Groups(prompts=[task.train_prompts[i] for i, _, _ in mine],
+                  samples=[replace(s, prompt_idx=k) for k, (_, samples, _) in enumerate(mine) for s in samples],
+                  rewards=torch.stack([rewards for _, _, rewards in mine]), drawn=drawn, zero_variance=zero_variance,
+                  rounds=rounds, first_group=distributed.rank() * per_rank)
+
+
+def rollout_round(engine, task: "Task", stream: data.PromptStream, cfg: Config, seed: int,
+                  times: dict) -> list[tuple[int, list[rollout.Sample], torch.Tensor]]:
+    """Steps 1-3 once: this engine's share of P new prompts, G responses to each, their rewards, as
+    [(the prompt's index in the training set, its G samples, their rewards [G]), ...]."""
+    tp, G = cfg.tensor_parallel_size, cfg.group_size
+    engine_rank, share = distributed.rank() // tp, cfg.prompts_per_step // (distributed.world_size() // tp)
+    ids = stream.take(cfg.prompts_per_step)[engine_rank * share : (engine_rank + 1) * share]  # 1. every rank draws
+    prompts = [task.train_prompts[i] for i in ids]  # the whole step's, so that all streams stay in step
+    with runtime.timed(times, "generate"):  # 2.
+        samples = engine.generate(prompts, n=G, max_tokens=[budget(cfg, p) for p in prompts],
+                                  temperature=cfg.temperature, top_p=cfg.top_p, progress=_bars(cfg),
+                                  min_tokens=cfg.min_new_tokens, seed=seed,
+                                  first_index=engine_rank * share)  # the prompts' place in the step
+    with runtime.timed(times, "score"):  # 3.
+        rewards = score(task, ids, samples, G)  # [len(ids), G]
+    return [(i, samples[g * G : (g + 1) * G], rewards[g]) for g, i in enumerate(ids)]
+
+
+def score(task: "Task", ids: list[int], samples: list[rollout.Sample], G: int) -> torch.Tensor:
+    """Step 3: each response's reward against its problem's gold answer, [P, G] for G samples of P prompts.
+
+    Example (sum3, G = 2): problems 3+9+4= and 1+2+3=, responses "16", "12" and "6", "6" -> [[1., 0.], [1., 1.]]."""
+    return torch.tensor([task.reward_fn(task.tok.decode(s.token_ids, skip_special_tokens=True),
+                                        task.train[ids[s.prompt_idx]].answer) for s in samples]).view(len(ids), G)
 
 
 def budget(cfg: Config, prompt: list[int]) -> int:
@@ -305,35 +254,78 @@ def budget(cfg: Config, prompt: list[int]) -> int:
 
 def batch_std(rewards: torch.Tensor, cfg: Config) -> float | None:
     """The sample std of every reward of the step over all ranks, for --adv-scale batch (else None)."""
-    if cfg.adv_scale != "batch":
+    if cfg.loss.adv_scale != "batch":
         return None
     r = rewards.double().flatten()
-    n, s1, s2 = dist.all_reduce_sum(torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(),
-                                                 (r * r).sum()])).tolist()
+    n, s1, s2 = distributed.all_reduce_sum(torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(),
+                                                        (r * r).sum()])).tolist()
     return max((s2 - s1 * s1 / n) / max(n - 1, 1), 0.0) ** 0.5
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Steps 5-6: the update
+# The batch the trainer sees
 
 
 @dataclass
 class Batch:
-    """The step's samples as right-padded tensors for the trainer."""
+    """Rows of samples as right-padded tensors: the step's batch (make_batch), or some of its rows (select), on
+    their way to the device (to). Step 5 adds the trainer's logprobs before the update (old_logprobs)."""
 
-    input_ids: torch.Tensor  # [N, L] prompt + response
+    input_ids: torch.Tensor  # [N, L] prompt + response, right-padded
     attention_mask: torch.Tensor  # [N, L]
     resp_start: torch.Tensor  # [N] first response position
     resp_mask: torch.Tensor  # [N, T] 1 on response tokens
     gen_logp: torch.Tensor  # [N, T] the engine's logprobs of the response tokens
     advantages: torch.Tensor  # [N]
     loss_mask: torch.Tensor  # [N, T] resp_mask, minus overlong-filtered responses
+    truncated: torch.Tensor  # [N] bool: the response hit its length limit
     lengths: list[int]  # prompt + response length of each row
-    truncated: int  # responses that hit --max-new-tokens
+    rows: list[int]  # these rows' indices in the step's batch
+    old_logp: torch.Tensor | None = None  # [N, T] the trainer's, before the update (None: the update's own forward)
+    ref_logp: torch.Tensor | None = None  # [N, T] the frozen start model's (--kl-beta > 0)
+
+    @property
+    def T(self) -> int:  # the longest response of these rows
+        return self.resp_mask.shape[1]
+
+    def select(self, rows: list[int]) -> "Batch":
+        """These rows, trimmed to their own longest sequence and response."""
+        idx = torch.tensor(rows)
+        L = max(self.lengths[r] for r in rows)
+        T = int(self.resp_mask[idx].sum(1).max().clamp(min=1))
+        cut = lambda t: None if t is None else t[idx, :T]  # noqa: E731
+        return Batch(self.input_ids[idx, :L], self.attention_mask[idx, :L], self.resp_start[idx], cut(self.resp_mask),
+                     cut(self.gen_logp), self.advantages[idx], cut(self.loss_mask), self.truncated[idx],
+                     [self.lengths[r] for r in rows], list(rows), cut(self.old_logp), cut(self.ref_logp))
+
+    def stand_in(self) -> "Batch":
+        """FSDP's stand-in for a micro-batch this rank lacks (micro_batches): one row of two tokens, a prompt token
+        and a response token (so every parameter takes part, as FSDP's gradient reduction needs), whose masks and
+        advantage are 0, so its loss, gradient and metrics are 0; it costs two tokens, whatever the batch's rows."""
+        zeros = lambda t, *shape: None if t is None else torch.zeros(*shape, dtype=t.dtype)  # noqa: E731
+        return Batch(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), torch.tensor([1]),
+                     zeros(self.resp_mask, 1, 1), zeros(self.gen_logp, 1, 1), zeros(self.advantages, 1),
+                     zeros(self.loss_mask, 1, 1), torch.zeros(1, dtype=torch.bool), [2], [],
+                     zeros(self.old_logp, 1, 1), zeros(self.ref_logp, 1, 1))
+
+    def to(self, device) -> "Batch":
+        """The same rows with every tensor on `device`."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def make_batch(prompts: list[list[int]], samples: list[rollout.Sample], advantages: torch.Tensor,
                overlong_filter: bool, pad_id: int) -> Batch:
+    """The step's samples as the trainer's tensors: each sample's prompt + response one right-padded row.
+
+    Example (pad_id 0): prompts [[1, 7]], two samples of prompt 0, [5, 2] (ending in EOS 2) and [6] (cut at its
+    limit), advantages [1., -1.] ->
+      input_ids  [[1, 7, 5, 2], [1, 7, 6, 0]]      attention_mask [[1, 1, 1, 1], [1, 1, 1, 0]]
+      resp_start [2, 2]                            resp_mask      [[1., 1.], [1., 0.]]
+      gen_logp   each sample's logprobs, 0 past its end
+      loss_mask  resp_mask; with overlong_filter [[1., 1.], [0., 0.]]: the cut response leaves the loss
+      truncated  [False, True], lengths [4, 3], rows [0, 1]
+    """
     N = len(samples)
     seqs = [prompts[s.prompt_idx] + s.token_ids for s in samples]
     L = max(len(s) for s in seqs)
@@ -350,157 +342,151 @@ def make_batch(prompts: list[list[int]], samples: list[rollout.Sample], advantag
     start = torch.tensor([len(prompts[s.prompt_idx]) for s in samples])
     truncated = torch.tensor([s.truncated for s in samples])
     loss_mask = resp_mask * (~truncated).float()[:, None] if overlong_filter else resp_mask
-    return Batch(ids, am, start, resp_mask, gen_logp, advantages, loss_mask, [len(s) for s in seqs],
-                 int(truncated.sum()))
+    return Batch(ids, am, start, resp_mask, gen_logp, advantages, loss_mask, truncated, [len(s) for s in seqs],
+                 list(range(N)))
 
 
-def rows_of(b: Batch, rows: list[int]) -> dict:
-    """The tensors of a subset of rows, trimmed to their own longest sequence and response.
+def micro_batches(b: Batch, rows: list[int], token_budget: int) -> list[Batch]:
+    """`rows` of b in micro-batches whose padded tokens stay within the budget (distributed.micro_batches: longest
+    first), each trimmed to its own rows, and as many on every rank: a rank with fewer runs b.stand_in() in place
+    of each it lacks (FSDP's collectives need the same passes on every rank). A collective."""
+    return [b.select(r) if r else b.stand_in() for r in distributed.micro_batches(b.lengths, rows, token_budget)]
 
-    No rows: FSDP's stand-in for a rank with fewer micro-batches than another (distributed.micro_batches), one row
-    of two tokens (a prompt token and a response token, so every parameter takes part, as FSDP's gradient
-    reduction needs) with zero weight: it costs what two tokens cost, whatever the length of the batch's rows."""
-    if not rows:
-        zeros = lambda *shape, t=b.gen_logp: torch.zeros(*shape, dtype=t.dtype)  # noqa: E731
-        return dict(input_ids=torch.zeros(1, 2, dtype=torch.long), attention_mask=torch.ones(1, 2, dtype=torch.long),
-                    resp_start=torch.tensor([1]), T=1, resp_mask=zeros(1, 1), gen_logp=zeros(1, 1),
-                    advantages=zeros(1, t=b.advantages), loss_mask=zeros(1, 1, t=b.loss_mask))
-    idx = torch.tensor(rows)
-    L = max(b.lengths[r] for r in rows)
-    T = int(b.resp_mask[idx].sum(1).max().clamp(min=1))
-    return dict(input_ids=b.input_ids[idx, :L], attention_mask=b.attention_mask[idx, :L],
-                resp_start=b.resp_start[idx], T=T, resp_mask=b.resp_mask[idx, :T], gen_logp=b.gen_logp[idx, :T],
-                advantages=b.advantages[idx], loss_mask=b.loss_mask[idx, :T])
+
+def logprobs(m, mb: Batch, cfg: Config, device, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi of mb's response tokens at the sampling temperature, [n, T], and with grad the policy's entropy there
+    (else zeros), under the run's precision policy (runtime.autocast)."""
+    with torch.set_grad_enabled(grad), runtime.autocast(cfg.run, device):
+        return model.token_logprobs(m, mb.input_ids, mb.attention_mask, mb.resp_start, mb.T, cfg.temperature,
+                                    cfg.run.logprob_chunk_tokens, with_entropy=grad)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Steps 5-6: the update
+
+
+def n_minibatches(cfg: Config) -> int:
+    """Optimizer steps per GRPO step: the step's P * G samples over --minibatch-size (0: one)."""
+    return cfg.prompts_per_step * cfg.group_size // cfg.minibatch_size if cfg.minibatch_size else 1
+
+
+def old_logprobs(policy, ref, b: Batch, cfg: Config, device) -> Batch:
+    """Step 5: b with the trainer's logprobs of the sampled tokens before the update (old_logp, [N, T]) and the
+    frozen start model's (ref_logp, [N, T], for the KL term), each a no-grad pass over token-budget micro-batches.
+
+    With one minibatch old_logp stays None and costs no pass: the policy has not moved before its only update, so
+    the update's own forward, detached, gives the old logprobs (update_policy); the logged loss is then near 0
+    (ratio 1, advantages centred) while its gradient is not. ref_logp is None without a reference model.
+    """
+    def pass_over(m) -> torch.Tensor:  # [N, T]
+        out = torch.zeros_like(b.gen_logp)
+        for mb in micro_batches(b, b.rows, cfg.run.micro_batch_tokens):
+            out[mb.rows, : mb.T] = logprobs(m, mb.to(device), cfg, device, grad=False)[0].cpu()
+        return out
+
+    return replace(b, old_logp=pass_over(policy) if n_minibatches(cfg) > 1 else None,
+                   ref_logp=pass_over(ref) if ref is not None else None)
 
 
 @dataclass
 class Update:
-    """What steps 5-6 report."""
+    """What step 6 reports: this rank's sums over its micro-batches (step_metrics sums them over ranks)."""
 
-    sums: dict[str, float]  # grpo.policy_loss's metric sums (and loss, entropy) over this rank's micro-batches
-    grad_norm: float  # of the last minibatch, before clipping
-    old_logp: torch.Tensor  # [N, T] the trainer's logprobs of the sampled tokens before the update
-    skipped: int  # minibatch updates skipped for a non-finite loss or gradient
+    loss: grpo.LossMetrics = field(default_factory=grpo.LossMetrics)  # the loss and its diagnostics
+    mismatch: grpo.Mismatch = field(default_factory=grpo.Mismatch)  # engine vs trainer before the update
+    entropy: float = 0.0  # the policy's entropy, summed over response tokens
+    grad_norm: float = 0.0  # of the last minibatch, before clipping
+    skipped: int = 0  # minibatch updates skipped for a non-finite loss or gradient
 
 
-def update_policy(policy, ref, opt, sched, b: Batch, cfg: Config, device, group_offset: int = 0,
-                  times: dict | None = None) -> Update:
-    """Steps 5 and 6 on this rank's share of the batch: old/reference logprobs, then one AdamW step per minibatch
-    (the loss over token-budget micro-batches, gradients summed over ranks by FSDP, clipped), then one step of the
-    LR schedule. group_offset: the global index of this rank's first group (rank * prompts per rank)."""
-    times = {} if times is None else times
-    loss_cfg = loss_config(cfg)
-    N, G = len(b.lengths), cfg.group_size
-    # Minibatch k holds the groups whose global index j has j % n_minibatches == k: whole groups, and the same
-    # global composition at any world size (a contiguous split per rank would mix different groups). Every rank
-    # makes the same number of optimizer steps, even when its share is uneven (dynamic sampling).
-    n_minibatches = cfg.prompts_per_step * G // cfg.minibatch_size if cfg.minibatch_size else 1
-    minibatches = [[r for r in range(N) if (group_offset + r // G) % n_minibatches == k] for k in range(n_minibatches)]
-    single = len(minibatches) == 1
-    # 5. old (and reference) logprobs, once per rollout. With one update per step the policy has not moved yet,
-    #    so old_logp is the detached logp of the training forward itself and needs no pass of its own.
-    old_logp = torch.zeros_like(b.gen_logp)  # [N, T]
-    ref_logp = torch.zeros_like(b.gen_logp)  # [N, T]
-    with runtime.timed(times, "logprobs"):
-        for rows in dist.micro_batches(b.lengths, list(range(N)), cfg.micro_batch_tokens) \
-                if (not single or ref is not None) else []:
-            mb = rows_of(b, rows)
-            for m, out in ((policy, old_logp), (ref, ref_logp)):
-                if m is not None and (m is ref or not single):
-                    lp = _logprobs(m, mb, cfg, device, grad=False)[0].cpu()
-                    if rows:
-                        out[rows, : mb["T"]] = lp
-    # 6. minibatch updates: loss -> backward -> grad clip -> AdamW step; micro-batches sized by tokens
-    t0 = time.time()
+def update_policy(policy, opt, sched, b: Batch, cfg: Config, device, first_group: int = 0) -> Update:
+    """Step 6: one AdamW step per minibatch, each over token-budget micro-batches (forward -> loss -> backward),
+    then clip and step; then one step of the LR schedule. Every loss is divided by the minibatch's global
+    normalizer, so FSDP's gradient reduction sums to the global batch's gradient at any world size.
+    first_group: the step-wide index of b's first group (Groups.first_group)."""
     policy.train()
-    sums: dict[str, float] = {}
-    grad_norm, skipped = torch.tensor(0.0), 0
-    from tqdm import tqdm
-
-    for rows in tqdm(minibatches, desc="train", disable=not _bars(cfg), leave=False):
-        counts = torch.tensor([b.loss_mask[rows].sum().item(), float((b.loss_mask[rows].sum(1) > 0).sum())])
-        dist.all_reduce_sum(counts)  # the global normalizer: the gradient does not depend on world size or splits
-        norm = max(float(counts[0] if cfg.token_level else counts[1]), 1.0)
-        micro = dist.micro_batches(b.lengths, rows, cfg.micro_batch_tokens)
-        for k, mrows in enumerate(micro):
-            mb = rows_of(b, mrows)
-            logp, entropy = _logprobs(policy, mb, cfg, device, grad=True)  # [n, T]
-            old = logp.detach().cpu() if single or not mrows else old_logp[mrows, : mb["T"]]
-            if single and mrows:
-                old_logp[mrows, : mb["T"]] = old
-            loss, metrics = grpo.policy_loss(
-                logp, old.to(device), mb["advantages"].to(device), mb["loss_mask"].to(device), loss_cfg,
-                num_tokens=norm, ref_logp=(ref_logp[mrows, : mb["T"]] if mrows else torch.zeros_like(old)).to(device)
-                if ref is not None else None, gen_logp=mb["gen_logp"].to(device))
-            with dist.gradient_sync(policy, k == len(micro) - 1):  # one gradient reduction per minibatch
-                (loss * dist.loss_scale()).backward()
-            if mrows:
-                metrics["loss"] = loss.detach()
-                metrics["entropy"] = (entropy.detach() * mb["resp_mask"].to(device)).sum()
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-        grad_norm = dist.clip_grad_norm(policy, cfg.grad_clip)  # global over ranks: all ranks agree on skipping
-        if torch.isfinite(grad_norm):
-            opt.step()
-        else:  # a NaN/inf loss or gradient: this update is skipped, weights and optimizer state stay as they were
-            skipped += 1
-        opt.zero_grad(set_to_none=True)
-    if skipped < len(minibatches):
-        sched.step()  # the LR schedule counts GRPO steps, as NeMo-RL's (not when every update was skipped)
+    upd = Update()
+    for rows in minibatches(len(b.rows), cfg, first_group):
+        norm = normalizer(b, rows, cfg.loss.token_level)
+        micro = micro_batches(b, rows, cfg.run.micro_batch_tokens)
+        for k, mb in enumerate(micro):
+            mb = mb.to(device)
+            logp, entropy = logprobs(policy, mb, cfg, device, grad=True)  # [n, T] each
+            old = logp.detach() if mb.old_logp is None else mb.old_logp  # None: one minibatch (old_logprobs)
+            loss, metrics = grpo.policy_loss(logp, old, mb.advantages, mb.loss_mask, cfg.loss, norm, mb.ref_logp,
+                                             mb.gen_logp)
+            with distributed.gradient_sync(policy, k == len(micro) - 1):  # one gradient reduction per minibatch
+                (loss * distributed.loss_scale()).backward()
+            runtime.accumulate(upd.loss, metrics)
+            runtime.accumulate(upd.mismatch, grpo.mismatch_metrics(mb.gen_logp, old, mb.resp_mask))
+            upd.entropy += float((entropy.detach() * mb.resp_mask).sum())
+        upd.grad_norm, skipped = runtime.optimizer_step(policy, opt, cfg.run.grad_clip)
+        upd.skipped += skipped
+    if upd.skipped < n_minibatches(cfg):
+        sched.step()  # the LR schedule counts GRPO steps, as NeMo-RL's (not one whose every update was skipped)
     policy.eval()
-    times["update"] = times.get("update", 0.0) + time.time() - t0
-    return Update(sums, float(grad_norm), old_logp, skipped)
+    return upd
 
 
-def _logprobs(m, mb: dict, cfg: Config, device, grad: bool):
-    with torch.set_grad_enabled(grad), runtime.autocast(cfg, device):
-        return M.token_logprobs(m, mb["input_ids"].to(device), mb["attention_mask"].to(device),
-                                mb["resp_start"].to(device), mb["T"], cfg.temperature, cfg.logprob_chunk_tokens,
-                                with_entropy=grad)
+def minibatches(n_rows: int, cfg: Config, first_group: int) -> list[list[int]]:
+    """This rank's rows of each minibatch. Minibatch k holds the groups whose step-wide index j has j % n == k:
+    whole groups, and the same minibatches at any world size (a contiguous split per rank would mix different
+    groups). Every rank makes the same number of optimizer steps, even with an uneven share (dynamic sampling).
+    Example (G = 2, 2 minibatches, 6 rows, first group 0): [[0, 1, 4, 5], [2, 3]]."""
+    n, G = n_minibatches(cfg), cfg.group_size
+    return [[r for r in range(n_rows) if (first_group + r // G) % n == k] for k in range(n)]
 
 
-def loss_config(cfg: Config) -> grpo.LossConfig:
-    return grpo.LossConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, kl_beta=cfg.kl_beta,
-                           kl_kind=cfg.kl_kind, token_level=cfg.token_level, is_correction=cfg.is_correction,
-                           is_cap=cfg.is_cap, is_min=cfg.is_min, pg=cfg.pg, kl_score_term=cfg.kl_score_term)
-
-
-def warmup_factor(step: int, warmup_steps: int) -> float:
-    """LR factor after `step` GRPO steps: NeMo-RL's LinearLR(start_factor=0.1, end_factor=1.0,
-    total_iters=warmup_steps), then constant."""
-    if warmup_steps <= 0:
-        return 1.0
-    return 0.1 + 0.9 * min(step, warmup_steps) / warmup_steps
+def normalizer(b: Batch, rows: list[int], token_level: bool) -> float:
+    """The minibatch's loss normalizer over every rank: its loss tokens (token level) or its sequences that have
+    any (sequence level), so that the gradient does not depend on world size or micro-batching. A collective."""
+    counts = torch.tensor([b.loss_mask[rows].sum().item(), float((b.loss_mask[rows].sum(1) > 0).sum())])
+    distributed.all_reduce_sum(counts)
+    return max(float(counts[0] if token_level else counts[1]), 1.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Step 8: metrics
 
 
+@dataclass
+class StepSums:
+    """This rank's sums over one step's groups and update, besides the loss's (step_metrics sums them over ranks)."""
+
+    reward: float
+    seqs: float
+    resp_tokens: float
+    truncated: float
+    groups: float  # drawn, over every dynamic-sampling round
+    zero_var_groups: float
+    adv: float
+    adv_sq: float
+    entropy: float  # the policy's, over response tokens
+
+
 def step_metrics(step: int, groups: Groups, b: Batch, adv: torch.Tensor, upd: Update, sched, times: dict,
                  peak_mem_gib: float) -> dict:
     """One metrics.jsonl row: sums over every rank, then the means NeMo-RL logs under the same names.
     peak_mem_gib: the trainer's peak in steps 4-6, the largest over ranks (runtime.peak_memory_gib)."""
-    mm = grpo.mismatch_metrics(b.gen_logp, upd.old_logp, b.resp_mask)
     a = adv.flatten().double()
-    local = {"reward": groups.rewards.sum(), "seqs": groups.rewards.numel(), "resp_tokens": b.resp_mask.sum(),
-             "truncated": b.truncated, "groups": groups.drawn, "zero_var_groups": groups.zero_variance,
-             "adv": a.sum(), "adv_sq": (a * a).sum(), **mm, **upd.sums}
-    keys = sorted(local)
-    tot = dict(zip(keys, dist.all_reduce_sum(torch.tensor([float(local[k]) for k in keys], dtype=torch.float64)).tolist()))
-    n_seq, n_tok, n_loss_tok = tot["seqs"], max(tot["resp_tokens"], 1.0), max(tot.get("tokens", 0.0), 1.0)
-    adv_mean = tot["adv"] / n_seq
+    here = StepSums(float(groups.rewards.sum()), groups.rewards.numel(), float(b.resp_mask.sum()),
+                    float(b.truncated.sum()), groups.drawn, groups.zero_variance, float(a.sum()), float((a * a).sum()),
+                    upd.entropy)
+    r, m, mm = distributed.sum_over_ranks(here, upd.loss, upd.mismatch)
+    n_seq, n_tok, n_loss_tok = r.seqs, max(r.resp_tokens, 1.0), max(m.tokens, 1.0)
+    adv_mean = r.adv / n_seq
     return dict(
-        step=step, reward_mean=tot["reward"] / n_seq, response_len_mean=tot["resp_tokens"] / n_seq, seqs=int(n_seq),
-        loss=tot.get("loss", 0.0), grad_norm=upd.grad_norm, clip_frac_low=tot.get("clip_low", 0.0) / n_loss_tok,
-        clip_frac_high=tot.get("clip_high", 0.0) / n_loss_tok, kl=tot.get("kl", 0.0) / n_loss_tok,
-        entropy=tot.get("entropy", 0.0) / n_tok, token_mult_prob_error=tot["token_mult_prob_error"] / n_tok,
-        gen_kl_error=tot["gen_kl_error"] / n_tok, policy_kl_error=tot["policy_kl_error"] / n_tok,
-        js_divergence_error=tot["js_divergence_error"] / n_tok, truncated_frac=tot["truncated"] / n_seq,
-        is_oob_frac=tot.get("is_oob", 0.0) / max(tot.get("is_units", 0.0), 1.0),
-        zero_var_group_frac=tot["zero_var_groups"] / tot["groups"], adv_mean=adv_mean, skipped_updates=upd.skipped,
-        adv_std=max(tot["adv_sq"] / n_seq - adv_mean**2, 0.0) ** 0.5, generation_rounds=groups.rounds,
-        lr=sched.get_last_lr()[0], peak_mem_gib=peak_mem_gib, **{f"time_{k}": v for k, v in times.items()},
+        step=step, reward_mean=r.reward / n_seq, response_len_mean=r.resp_tokens / n_seq, seqs=int(n_seq),
+        loss=m.loss, grad_norm=upd.grad_norm, clip_frac_low=m.clip_low / n_loss_tok,
+        clip_frac_high=m.clip_high / n_loss_tok, kl=m.kl / n_loss_tok, entropy=r.entropy / n_tok,
+        token_mult_prob_error=mm.token_mult_prob_error / n_tok, gen_kl_error=mm.gen_kl_error / n_tok,
+        policy_kl_error=mm.policy_kl_error / n_tok, js_divergence_error=mm.js_divergence_error / n_tok,
+        truncated_frac=r.truncated / n_seq, is_oob_frac=m.is_oob / max(m.is_units, 1.0),
+        zero_var_group_frac=r.zero_var_groups / r.groups, adv_mean=adv_mean, skipped_updates=upd.skipped,
+        adv_std=max(r.adv_sq / n_seq - adv_mean**2, 0.0) ** 0.5, generation_rounds=groups.rounds,
+        lr=sched.get_last_lr()[0], peak_mem_gib=peak_mem_gib,
+        tokens_per_s=r.resp_tokens / max(sum(times.values()), 1e-9),  # generated tokens per second of steps 1-7
+        **{f"time_{k}": v for k, v in times.items()},
     )
 
 
@@ -522,18 +508,18 @@ class Task:
 
 
 def load_task(cfg: Config) -> Task:
-    """Problems (bad rows stop the run before any model loads), the tokenizer, and every prompt's token ids."""
+    """Problems (a bad row raises data.DataError before any model loads), the tokenizer, every prompt's token ids."""
     if cfg.task == "sum3":
-        train_set, heldout = data.sum3_split()
+        train_set, heldout = tasks.sum3_split()
     else:
-        train_set = data.load_problems(cfg.data, cfg.problem_field, cfg.answer_field)
-        if cfg.val_data:
-            heldout = data.load_problems(cfg.val_data, cfg.problem_field, cfg.answer_field)
+        train_set = data.load_problems(cfg.run.data, cfg.problem_field, cfg.answer_field)
+        if cfg.run.val_data:
+            heldout = data.load_problems(cfg.run.val_data, cfg.problem_field, cfg.answer_field)
         else:
-            train_set, heldout = data.split(train_set, cfg.val_fraction, cfg.seed)
+            train_set, heldout = data.split(train_set, cfg.run.val_fraction, cfg.run.seed)
     template = data.read_template(cfg.prompt_template)
     path = model_path(cfg)
-    tok = M.load_tokenizer(path, cfg.trust_remote_code)
+    tok = model.load_tokenizer(path, cfg.run.trust_remote_code)
     train_set, train_prompts = encode_prompts(cfg, tok, train_set, template, "training")
     heldout, heldout_prompts = encode_prompts(cfg, tok, heldout[: cfg.eval_prompts], template, "held-out")
     reward_fn = reward.exact_reward if cfg.task == "sum3" else reward.math_reward
@@ -542,7 +528,7 @@ def load_task(cfg: Config) -> Task:
 
 def model_path(cfg: Config) -> str:
     """Where the run's starting weights are: --init-from, else --model (a built-in base is built on first use)."""
-    return cfg.init_from or M.resolve(cfg.model)
+    return cfg.init_from or model.resolve(cfg.run.model)
 
 
 def encode_prompts(cfg: Config, tok, problems: list[data.Problem], template: str | None, what: str):
@@ -554,9 +540,10 @@ def encode_prompts(cfg: Config, tok, problems: list[data.Problem], template: str
     if len(keep) < len(ids):
         why = f"--max-prompt-len {limit}" if cfg.max_prompt_len else \
             f"--max-seq-len {cfg.max_seq_len} - --max-new-tokens {cfg.max_new_tokens}"
-        dist.print0(f"dropped {len(ids) - len(keep)} of {len(ids)} {what} prompts longer than {limit} tokens ({why})")
+        distributed.print0(f"dropped {len(ids) - len(keep)} of {len(ids)} {what} prompts longer than {limit} tokens "
+                           f"({why})")
     if not keep and problems:
-        raise SystemExit(f"error: every {what} prompt is longer than {limit} tokens; raise --max-seq-len")
+        raise UserError(f"every {what} prompt is longer than {limit} tokens; raise --max-seq-len")
     return [problems[i] for i in keep], [ids[i] for i in keep]
 
 
@@ -567,22 +554,25 @@ def prompt_limit(cfg: Config) -> int:
 
 def make_engine(cfg: Config, path: str, dtype: torch.dtype, device) -> rollout.Engine:
     if cfg.engine == "hf":
-        return rollout.HFEngine(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, device=device)
+        return rollout.HFEngine(path, dtype=dtype, trust_remote_code=cfg.run.trust_remote_code, device=device)
     tp = cfg.tensor_parallel_size
-    return rollout.VLLMEngine(path, max_model_len=cfg.max_seq_len, seed=cfg.seed + dist.rank() // tp,
-                              dtype=str(dtype).removeprefix("torch."), external_launcher=dist.world_size() > 1,
+    return rollout.VLLMEngine(path, max_model_len=cfg.max_seq_len,
+                              seed=cfg.run.seed + distributed.rank() // tp,  # each engine its own stream
+                              dtype=str(dtype).removeprefix("torch."), external_launcher=distributed.world_size() > 1,
                               gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=tp,
-                              trust_remote_code=cfg.trust_remote_code)
+                              trust_remote_code=cfg.run.trust_remote_code)
 
 
 def _bars(cfg: Config) -> bool:
     """Per-phase progress bars: asked for, on rank 0 only, and not in a quiet run."""
-    return cfg.detailed_progress and not cfg.quiet and dist.is_main()
+    return cfg.detailed_progress and not cfg.run.quiet and distributed.is_main()
 
 
 def validate(cfg: Config, world: int) -> None:
-    """One clear line for a bad flag, before any model or engine is loaded."""
-    checks = [
+    """One clear line for a bad flag, before any model or engine is loaded: GRPO's own flags, the loss's
+    (grpo.config_error), and those every run has (runtime.run_checks)."""
+    loss_error = grpo.config_error(cfg.loss)
+    check([
         (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO needs at least 2 samples per prompt"),
         (cfg.prompts_per_step >= world and cfg.prompts_per_step % world == 0,
          f"--prompts-per-step {cfg.prompts_per_step}: must be a positive multiple of the {world} ranks"),
@@ -600,35 +590,20 @@ def validate(cfg: Config, world: int) -> None:
          f"--max-seq-len {cfg.max_seq_len} (lower it, or set --max-prompt-len: responses then get what it leaves)"),
         (0 < cfg.gpu_memory_utilization < 1,
          f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: must be a fraction in (0, 1)"),
-        (cfg.dist_timeout_s > 0, f"--dist-timeout-s {cfg.dist_timeout_s}: must be positive"),
         (cfg.tensor_parallel_size >= 1 and world % cfg.tensor_parallel_size == 0
          and (cfg.engine == "vllm" or cfg.tensor_parallel_size == 1),
          f"--tensor-parallel-size {cfg.tensor_parallel_size}: must divide the {world} ranks (vLLM engine only)"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: must be positive for GRPO sampling"),
-        (cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual-clip {cfg.dual_clip}: must be 0 (off) or > 1"),
-        (cfg.warmup_steps >= 0, f"--warmup-steps {cfg.warmup_steps}: must be 0 (off) or positive"),
-        (not (cfg.pg == "gspo" and cfg.token_level),
-         "--pg gspo: GSPO's ratio is per sequence, so its loss is sequence-level: add --no-token-level (or --stage 4)"),
-        (not (cfg.pg == "gspo" and cfg.is_correction == "seq-mask-tis"),
-         "--pg gspo: seq-mask-tis weighs tokens, GSPO weighs sequences; use tis, icepop or seq-mask"),
-        (not (cfg.pg == "cispo" and (cfg.dual_clip or not cfg.token_level)),
-         "--pg cispo: CISPO is token-level and has no dual clip (drop --dual-clip / --no-token-level)"),
-        (cfg.is_correction == "none" or 0 <= cfg.is_min <= cfg.is_cap,
-         f"--is-min {cfg.is_min} --is-cap {cfg.is_cap}: the band needs 0 <= is-min <= is-cap"),
-        (cfg.is_correction not in ("icepop", "seq-mask-tis") or cfg.is_min > 0,
-         f"--is-correction {cfg.is_correction}: needs --is-min > 0 (NeMo-RL's reference bands: icepop 0.5-5, "
-         "seq-mask-tis 0.999-1.002)"),
+        (not loss_error, loss_error),
         (not cfg.init_from or os.path.isfile(os.path.join(cfg.init_from, "config.json")),
          f"--init-from {cfg.init_from}: not an HF checkpoint folder (no config.json)"),
-        (cfg.task != "math" or bool(cfg.data), "--data: the math task needs a problem file or dataset name"),
-        (0.0 <= cfg.val_fraction < 1.0, f"--val-fraction {cfg.val_fraction}: must be in [0, 1)"),
-    ]
-    runtime.check(checks + runtime.run_checks(cfg))
+        (cfg.task != "math" or bool(cfg.run.data), "--data: the math task needs a problem file or dataset name"),
+        *runtime.run_checks(cfg.run),
+    ])
 
 
 def main(argv: list[str]) -> None:
-    runtime.one_line_errors(lambda: runtime.export_hf(argv, "train.py") if argv[:1] == ["export"]
-                            else train(parse_args(argv)))
+    one_line_errors(lambda: export_hf(argv, "train.py") if argv[:1] == ["export"] else train(parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -28,9 +28,10 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}  # for subprocesses that need no vLLM: t
 
 @pytest.fixture(scope="session")
 def tiny_path() -> str:
+    import bases
     import model
 
-    return model.resolve(model.TINY)
+    return model.resolve(bases.TINY)
 
 
 @pytest.fixture(scope="session")

@@ -19,23 +19,27 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import data  # noqa: E402
-import distributed as dist  # noqa: E402
+import bases  # noqa: E402
+import checkpoint  # noqa: E402
+import distributed  # noqa: E402
 import eval_aime  # noqa: E402
 import grpo  # noqa: E402
-import model as M  # noqa: E402
+import model  # noqa: E402
 import rollout  # noqa: E402
 import runtime  # noqa: E402
+import tasks  # noqa: E402
 import train  # noqa: E402
+from runtime import config  # noqa: E402
 from test_rollout import perturbed  # noqa: E402
 
 
 def fixed_global_batch(tok, P=8, G=4, seed=0):
     """The same global batch on every rank and world size: P prompts x G random responses with random rewards."""
     g = torch.Generator().manual_seed(seed)
-    train_set, _ = data.sum3_split()
+    train_set, _ = tasks.sum3_split()
     prompts = [tok(p.prompt)["input_ids"] for p in train_set[:P]]
     samples = []
     for i in range(P):
@@ -48,15 +52,15 @@ def fixed_global_batch(tok, P=8, G=4, seed=0):
 
 
 def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: str, pg: str = "ppo"):
-    rank, world = dist.init(120)
-    path = M.resolve(M.TINY)
-    tok = M.load_tokenizer(path)
+    rank, world = distributed.init(120)
+    path = model.resolve(bases.TINY)
+    tok = model.load_tokenizer(path)
     prompts, samples, rewards = fixed_global_batch(tok)
     P, G = rewards.shape
-    cfg = train.Config(prompts_per_step=P, group_size=G, minibatch_size=P * G // minibatches,
-                       micro_batch_tokens=micro_tokens, lr=lr, eps_high=0.28, kl_beta=0.01,
-                       grad_clip=1.0 if opt_name == "adamw" else 1e9,  # SGD unclipped: dw = -lr * the gradient itself
-                       pg=pg, token_level=pg != "gspo")  # GSPO is sequence-level
+    cfg = config(train.Config, prompts_per_step=P, group_size=G, minibatch_size=P * G // minibatches,
+                 micro_batch_tokens=micro_tokens, lr=lr, eps_high=0.28, kl_beta=0.01,
+                 grad_clip=1.0 if opt_name == "adamw" else 1e9,  # SGD unclipped: dw = -lr * the gradient itself
+                 pg=pg, token_level=pg != "gspo")  # GSPO is sequence-level
     share = range(rank * P // world, (rank + 1) * P // world)  # a prompt's G samples stay on one rank
     my_samples = [rollout.Sample(i - share.start, s.token_ids, s.logprobs, s.truncated)
                   for s in samples for i in [s.prompt_idx] if i in share]
@@ -65,38 +69,39 @@ def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: 
     b = replace(b, gen_logp=b.gen_logp.double(), advantages=b.advantages.double())  # float64 end to end
     torch.manual_seed(0)
     cpu, f64 = torch.device("cpu"), torch.float64
-    policy = runtime.load_trainable(path, cpu, checkpointing=micro_tokens < 100, dtype=f64)
-    ref = runtime.load_trainable(path, cpu, checkpointing=False, dtype=f64).eval().requires_grad_(False)
+    policy = model.load_trainable(path, cpu, checkpointing=micro_tokens < 100, dtype=f64)
+    ref = model.load_trainable(path, cpu, checkpointing=False, dtype=f64).eval().requires_grad_(False)
     if opt_name == "adamw":
-        opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        opt = torch.optim.AdamW(policy.parameters(), lr=cfg.run.lr, weight_decay=cfg.run.weight_decay)
     else:
-        opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)
+        opt = torch.optim.SGD(policy.parameters(), lr=cfg.run.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    train.update_policy(policy, ref, opt, sched, b, cfg, cpu, share.start)
-    state = dist.full_state_dict(policy.lm)
-    if dist.is_main():
+    b = train.old_logprobs(policy, ref, b, cfg, cpu)  # step 5
+    train.update_policy(policy, opt, sched, b, cfg, cpu, share.start)  # step 6
+    state = distributed.full_state_dict(policy.lm)
+    if distributed.is_main():
         torch.save({k: v.clone() for k, v in state.items()}, out)
-    dist.close()
+    distributed.close()
 
 
 def refit(out: Path, tp: int):
-    rank, world = dist.init(120)
-    path = M.resolve(M.TINY)
-    tok = M.load_tokenizer(path)
+    rank, world = distributed.init(120)
+    path = model.resolve(bases.TINY)
+    tok = model.load_tokenizer(path)
     engine = rollout.VLLMEngine(path, max_model_len=64, seed=rank // tp, dtype="float32", external_launcher=True,
                                 tensor_parallel_size=tp)
     lm = perturbed(path, seed=0)
-    policy = dist.shard(M.LogprobModel(lm), lm, checkpointing=False)
+    policy = distributed.shard(model.LogprobModel(lm), lm, checkpointing=False)
     t = time.time()
-    engine.load_weights(dist.full_weights(lm))
+    engine.load_weights(distributed.full_weights(lm))
     refit_s = time.time() - t
-    _, heldout = data.sum3_split()
+    _, heldout = tasks.sum3_split()
     group = rank // tp  # the ranks of one tensor-parallel engine send it identical requests
     prompts = [tok(p.prompt)["input_ids"] for p in heldout[group * 32 : (group + 1) * 32]]
     samples = engine.generate(prompts, n=4, max_tokens=8, seed=group)
     b = train.make_batch(prompts, samples, torch.zeros(len(samples)), False, tok.pad_token_id)
     with torch.no_grad():
-        lp, _ = M.token_logprobs(policy, b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1])
+        lp, _ = model.token_logprobs(policy, b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1])
     diff = float(((lp - b.gen_logp).abs() * b.resp_mask).sum() / b.resp_mask.sum())
     seen = []  # (gold, response) in the order the evaluation scores them: k samples of each prompt, then greedy
     eval_aime.heldout_accuracy(engine, tok, [prompts[0]] * 4, ["0", "1", "2", "3"],
@@ -104,31 +109,29 @@ def refit(out: Path, tp: int):
                                temperature=2.0, seed=5, tp=tp)
     Path(f"{out}.rank{rank}").write_text(json.dumps({"rank": rank, "world": world, "diff": diff, "refit_s": refit_s,
                                                      "heldout_samples": seen[: 2 * (len(seen) // 3)]}))
-    dist.close(engine)
+    distributed.close(engine)
 
 
 def policy(out: Path):
-    rank, world = dist.init(120)
-    cfg = train.Config(dtype="bfloat16")  # threads 0: the node's cores shared among its ranks
-    device, bf16 = runtime.setup_process(cfg)
-    path = M.resolve(M.TINY)
-    tok = M.load_tokenizer(path)
-    pol = runtime.load_trainable(path, device, checkpointing=False)
+    rank, world = distributed.init(120)
+    cfg = config(train.Config, dtype="bfloat16")  # threads 0: the node's cores shared among its ranks
+    device, bf16 = runtime.setup_process(cfg.run)
+    path = model.resolve(bases.TINY)
+    tok = model.load_tokenizer(path)
+    pol = model.load_trainable(path, device, checkpointing=False)
     ids = torch.tensor([tok("1+2+3=6")["input_ids"]])
-    with torch.no_grad(), runtime.autocast(cfg, device):
-        M.token_logprobs(pol, ids, torch.ones_like(ids), torch.tensor([6]), 2)
-    from torch.distributed.tensor import DTensor
-
+    with torch.no_grad(), runtime.autocast(cfg.run, device):
+        model.token_logprobs(pol, ids, torch.ones_like(ids), torch.tensor([6]), 2)
     params = {n: (isinstance(p, DTensor), str(p.dtype)) for n, p in pol.named_parameters()}
-    state = dist.full_state_dict(pol.lm)
-    runtime.save_hf(pol.lm, tok, out / "export")
+    state = distributed.full_state_dict(pol.lm)
+    checkpoint.save_hf(pol.lm, tok, out / "export")
     Path(f"{out}.rank{rank}").write_text(json.dumps({"threads": torch.get_num_threads(), "bf16": bf16,
                                                      "params": params, "full_state_dict": len(state)}))
-    dist.close()
+    distributed.close()
 
 
 def die(out: Path):
-    rank, _ = dist.init(600)  # a long timeout: the test shows torchrun, not the timeout, ends the survivor
+    rank, _ = distributed.init(600)  # a long timeout: the test shows torchrun, not the timeout, ends the survivor
     torch.distributed.barrier()
     if rank == 1:
         os._exit(3)
@@ -138,7 +141,7 @@ def die(out: Path):
 
 
 def hang(out: Path):
-    rank, _ = dist.init(timeout_s=10)
+    rank, _ = distributed.init(timeout_s=10)
     torch.distributed.barrier()
     if rank == 1:
         time.sleep(600)

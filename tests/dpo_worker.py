@@ -10,11 +10,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import data  # noqa: E402
-import distributed as dist  # noqa: E402
+import bases  # noqa: E402
+import distributed  # noqa: E402
 import dpo  # noqa: E402
-import model as M  # noqa: E402
-import runtime  # noqa: E402
+import model  # noqa: E402
+import tasks  # noqa: E402
+from runtime import config  # noqa: E402
 
 # name: (micro_batch_tokens, optimizer steps, lr, loss, label smoothing, optimizer)
 CONFIGS = {
@@ -33,7 +34,7 @@ def fixed_global_batch(tok, n: int = 16, seed: int = 0) -> list[dpo.Pair]:
     """The same global batch at every world size: sum3 prompts with random responses of 1-6 tokens (+ EOS), so
     the rows of a pair and the pairs of a batch have different lengths."""
     g = torch.Generator().manual_seed(seed)
-    train_set, _ = data.sum3_split()
+    train_set, _ = tasks.sum3_split()
     pairs = []
     for p in train_set[:n]:
         resp = [tuple(torch.randint(4, 20, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist())
@@ -43,29 +44,29 @@ def fixed_global_batch(tok, n: int = 16, seed: int = 0) -> list[dpo.Pair]:
 
 
 def updates(out_prefix: str) -> None:
-    rank, world = dist.init(120)
-    path = M.resolve(M.TINY)
-    tok = M.load_tokenizer(path)
+    rank, world = distributed.init(120)
+    path = model.resolve(bases.TINY)
+    tok = model.load_tokenizer(path)
     pairs = fixed_global_batch(tok)
     cpu = torch.device("cpu")
     for name, (micro_tokens, steps, lr, loss, eps, optimizer) in CONFIGS.items():
-        cfg = dpo.DPOConfig(micro_batch_tokens=micro_tokens, lr=lr, loss=loss, label_smoothing=eps, beta=0.5,
-                            grad_clip=1.0 if optimizer == "adamw" else 1e9)
+        cfg = config(dpo.DPOConfig, micro_batch_tokens=micro_tokens, lr=lr, loss=loss, label_smoothing=eps, beta=0.5,
+                     grad_clip=1.0 if optimizer == "adamw" else 1e9)
         torch.manual_seed(0)
-        policy = runtime.load_trainable(path, cpu, checkpointing=False, dtype=torch.float64)
-        ref = runtime.load_trainable(path, cpu, checkpointing=False, dtype=torch.float64)
+        policy = model.load_trainable(path, cpu, checkpointing=False, dtype=torch.float64)
+        ref = model.load_trainable(path, cpu, checkpointing=False, dtype=torch.float64)
         ref = ref.eval().requires_grad_(False)
-        opt = (torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay) if optimizer == "adamw"
-               else torch.optim.SGD(policy.parameters(), lr=cfg.lr))
+        opt = (torch.optim.AdamW(policy.parameters(), lr=cfg.run.lr, weight_decay=cfg.run.weight_decay)
+               if optimizer == "adamw" else torch.optim.SGD(policy.parameters(), lr=cfg.run.lr))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         for step in range(steps):
             batch = pairs[step * 8 :] + pairs[: step * 8]  # a different global order each step
             mine = batch[rank * len(batch) // world : (rank + 1) * len(batch) // world]
             dpo.update(policy, ref, opt, sched, mine, len(batch), cfg, cpu, tok.pad_token_id)
-        state = dist.full_state_dict(policy.lm)
-        if dist.is_main():
+        state = distributed.full_state_dict(policy.lm)
+        if distributed.is_main():
             torch.save({k: v.clone() for k, v in state.items()}, f"{out_prefix}.{name}.pt")
-    dist.close()
+    distributed.close()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import distributed
+import checkpoint
+import data
 import model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,9 +72,9 @@ def test_partial_and_damaged_checkpoints_are_told_apart(uninterrupted, tmp_path)
     import shutil
 
     good = uninterrupted / "checkpoints" / "step_000006"
-    assert distributed.checkpoint_problem(good) is None
+    assert checkpoint.problem(good) is None
     (tmp_path / ".tmp-step_000008").mkdir()  # a save that was killed before its rename is never listed
-    assert distributed.checkpoints(tmp_path) == [] and distributed.checkpoints(tmp_path / "nothing-here") == []
+    assert checkpoint.saved(tmp_path) == [] and checkpoint.saved(tmp_path / "nothing-here") == []
     damage = {
         "no meta.json": lambda c: (c / "meta.json").unlink(),
         "meta.json is not valid JSON": lambda c: (c / "meta.json").write_text((c / "meta.json").read_text()[:20]),
@@ -84,7 +85,7 @@ def test_partial_and_damaged_checkpoints_are_told_apart(uninterrupted, tmp_path)
         c = tmp_path / why.replace(" ", "-")
         shutil.copytree(good, c)
         damage_it(c)
-        assert why in distributed.checkpoint_problem(c)
+        assert why in checkpoint.problem(c)
 
 
 @pytest.mark.cpu_numerics
@@ -158,17 +159,14 @@ class _RunsCode:
 def test_a_checkpoint_whose_pickle_would_run_code_is_refused_in_one_line(uninterrupted, tmp_path, tiny_path, capsys):
     import shutil
 
-    import data
-    import runtime
-
     folder = tmp_path / "checkpoints"
     shutil.copytree(uninterrupted / "checkpoints", folder)
     marker = tmp_path / "PWNED"
     torch.save({"torch_rng": _RunsCode(marker)}, folder / "step_000006" / "rank0.pt")
-    policy = runtime.load_trainable(tiny_path, torch.device("cpu"), False)
+    policy = model.load_trainable(tiny_path, torch.device("cpu"), False)
     opt = torch.optim.AdamW(policy.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    resumed = runtime.resume(folder, policy, opt, sched, data.PromptStream(10, 0))
+    resumed = checkpoint.resume(folder, policy, opt, sched, data.PromptStream(10, 0))
     assert not marker.exists()  # nothing ran
     assert resumed is not None and resumed[1] == 4  # the checkpoint before it
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "step_000006" in ln)

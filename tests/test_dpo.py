@@ -1,6 +1,7 @@
 """dpo.py: the DPO / conservative DPO / IPO loss (value and gradient) against float64 written here, sequence
 logprobs against float64 full logits, preference-file errors and formats, over-long pairs, the same update at 1 and
-2 ranks (torchrun, gloo), and a short seeded run that learns, resumes exactly and exports."""
+2 ranks (torchrun, gloo), a short seeded run that learns, resumes exactly and exports, and the LR warm-up it shares
+with GRPO."""
 
 import json
 import math
@@ -14,6 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 import dpo
+import tasks
+import train
+from checks import UserError
+from runtime import config
 
 HERE = Path(__file__).resolve().parent
 
@@ -64,10 +69,10 @@ def test_loss_value_and_gradient_match_float64(kind, beta, eps):
     # the implicit rewards and their accuracy (a tie is not a win)
     r_c = [beta * (cols[0][i] - cols[2][i]) for i in range(B)]
     r_r = [beta * (cols[1][i] - cols[3][i]) for i in range(B)]
-    torch.testing.assert_close(metrics["reward_margin"].double(),
+    torch.testing.assert_close(metrics.reward_margin.double(),
                                torch.tensor([a - b for a, b in zip(r_c, r_r)], dtype=torch.float64), rtol=1e-5, atol=1e-4)
-    assert metrics["reward_acc"].tolist() == [float(a - b > 1e-9) for a, b in zip(r_c, r_r)]
-    assert metrics["reward_acc"][0] == 0
+    assert metrics.reward_acc.tolist() == [float(a - b > 1e-9) for a, b in zip(r_c, r_r)]
+    assert metrics.reward_acc[0] == 0
 
 
 def test_conservative_dpo_has_its_optimum_at_a_finite_margin():
@@ -91,7 +96,7 @@ def test_pair_logps_match_float64_full_logits(tiny_path, tok, loss):
     lm = AutoModelForCausalLM.from_pretrained(tiny_path)
     rows = [dpo.PrefRow("3+9+4=", "16", "12"), dpo.PrefRow("1+2+3=", "6", "27"), dpo.PrefRow("0+0+7=", "7", "0")]
     pairs = dpo.encode_pairs(tok, rows, 64, "test")
-    cfg = dpo.DPOConfig(loss=loss, logprob_chunk_tokens=3)
+    cfg = config(dpo.DPOConfig, loss=loss, logprob_chunk_tokens=3)
     c, r = dpo.pair_logps(lm, pairs, cfg, torch.device("cpu"), tok.pad_token_id, grad=False)
     lm64 = lm.double()
     for i, p in enumerate(pairs):
@@ -131,10 +136,10 @@ GOOD = '{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n'
 ])
 def test_bad_preference_files_name_file_and_row(tmp_path, name, text, needle):
     path = write(tmp_path / name, text)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UserError) as e:  # data.DataError: an entry point exits 2 with "error: " and this line
         dpo.load_pairs(path)
     msg = str(e.value)
-    assert needle in msg and path in msg and "\n" not in msg and msg.startswith("error: ")
+    assert needle in msg and path in msg and "\n" not in msg
 
 
 def test_bad_data_on_the_command_line_exits_2_before_any_model_loads(tmp_path):
@@ -178,7 +183,7 @@ def test_chat_template_applied_when_the_tokenizer_has_one(tok):
     p = dpo.encode_pairs(tok, rows[:1], 64, "test")[0]
     assert tok.decode(p.prompt, skip_special_tokens=True) == "2+3="  # no template: plain text (the tiny tokenizer)
     assert list(p.chosen) == tok("5", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    with pytest.raises(SystemExit, match="test pair 2: the prompt is a list of chat messages"):
+    with pytest.raises(UserError, match="test pair 2: the prompt is a list of chat messages"):
         dpo.encode_pairs(tok, rows, 64, "test")
     tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -199,14 +204,12 @@ def test_over_long_pairs_are_dropped_and_counted(tok, capsys):
     capsys.readouterr()
     assert dpo.encode_pairs(tok, rows, 20, "training") == dpo.encode_pairs(tok, [rows[0], rows[3]], 999, "t")
     assert "dropped 2 of 4 training pairs longer than 20 tokens (--max-seq-len)" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="every training pair is longer than 6 tokens"):
+    with pytest.raises(UserError, match="every training pair is longer than 6 tokens"):
         dpo.encode_pairs(tok, rows, 6, "training")
 
 
 def test_synthetic_pairs_prefer_the_right_sum():
-    import data
-
-    train_set, _ = data.sum3_split()
+    train_set, _ = tasks.sum3_split()
     rows = dpo.sum3_pairs(train_set, seed=0)
     assert len(rows) == 2 * len(train_set)
     for p, r1, r2 in zip(train_set, rows[::2], rows[1::2]):
@@ -222,8 +225,8 @@ def test_bad_flags_name_the_flag():
                        (dict(loss="ipo", label_smoothing=0.1), "only for --loss dpo"),
                        (dict(batch_size=3), "--batch-size 3: must be a positive multiple of the 2 ranks"),
                        (dict(val_fraction=1.0), "--val-fraction 1.0")]:
-        with pytest.raises(SystemExit, match=needle.replace("(", r"\(")):
-            dpo.validate(dpo.DPOConfig(**kw), world=2)
+        with pytest.raises(UserError, match=needle.replace("(", r"\(")):
+            dpo.validate(config(dpo.DPOConfig, **kw), world=2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -262,7 +265,8 @@ def without_timing(rows):
 @pytest.fixture(scope="module")
 def run30(tmp_path_factory, tiny_path):
     out = tmp_path_factory.mktemp("dpo30")
-    cfg = dpo.DPOConfig(steps=30, eval_every=10, checkpoint_every=10, keep_checkpoints=3, out_dir=str(out), quiet=True)
+    cfg = config(dpo.DPOConfig, steps=30, eval_every=10, checkpoint_every=10, keep_checkpoints=3, out_dir=str(out),
+                 quiet=True)
     return cfg, dpo.train_dpo(cfg)["history"]
 
 
@@ -278,20 +282,40 @@ def test_short_dpo_run_raises_heldout_preference_and_task_accuracy(run30):
     assert {"loss", "reward_chosen", "reward_rejected", "reward_margin", "reward_acc", "logp_chosen",
             "logp_rejected", "grad_norm"} <= rows[1].keys()
     assert abs(rows[1]["loss"] - math.log(2)) < 1e-6  # the first batch sees policy = reference: l = -log sigmoid(0)
-    assert rows == [json.loads(line) for line in open(Path(cfg.out_dir) / "metrics.jsonl")]
+    assert rows == [json.loads(line) for line in open(Path(cfg.run.out_dir) / "metrics.jsonl")]
 
 
 @pytest.mark.cpu_numerics
 def test_resumed_run_equals_uninterrupted_run_and_exports(run30, tmp_path):
     cfg, rows = run30
     out = tmp_path / "resumed"
-    part = dpo.train_dpo(dpo.DPOConfig(steps=20, eval_every=10, checkpoint_every=10, out_dir=str(out), quiet=True))
-    resumed = dpo.train_dpo(dpo.DPOConfig(steps=30, eval_every=10, checkpoint_every=10, out_dir=str(out), quiet=True))
+    part = dpo.train_dpo(config(dpo.DPOConfig, steps=20, eval_every=10, checkpoint_every=10, out_dir=str(out),
+                                quiet=True))
+    resumed = dpo.train_dpo(config(dpo.DPOConfig, steps=30, eval_every=10, checkpoint_every=10, out_dir=str(out),
+                                   quiet=True))
     assert resumed["history"][:21] == part["history"]  # steps 0-20 were read back (timings too), not run again
     assert without_timing(resumed["history"]) == without_timing(rows)
-    a, b = load_file(Path(cfg.out_dir) / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    a, b = load_file(Path(cfg.run.out_dir) / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     # a saved step exports to the same HF weights as the final folder
-    dpo.main(["export", str(Path(cfg.out_dir) / "checkpoints" / "step_000030"), str(tmp_path / "export")])
+    dpo.main(["export", str(Path(cfg.run.out_dir) / "checkpoints" / "step_000030"), str(tmp_path / "export")])
     c = load_file(tmp_path / "export" / "model.safetensors")
     assert c.keys() == a.keys() and all(torch.equal(a[k], c[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One run skeleton: DPO and GRPO warm up alike
+
+
+def test_grpo_and_dpo_warm_up_alike(tmp_path):
+    """--warmup-steps means the same in both loops (runtime.optimizer): NeMo-RL's LinearLR from 0.1 x lr to lr over
+    w steps, stepped once per step. Each row logs the LR after its step's update: lr (0.1 + 0.9 min(s, w) / w)."""
+    lr, w, steps = 1e-4, 3, 5
+    want = [lr * (0.1 + 0.9 * min(s, w) / w) for s in range(1, steps + 1)]  # 0.4, 0.7, 1, 1, 1 (x lr)
+    flags = dict(steps=steps, warmup_steps=w, lr=lr, eval_every=0, checkpoint_every=0, save_final=False, plot=False,
+                 quiet=True)
+    grpo_rows = train.train(config(train.Config, engine="hf", prompts_per_step=4, group_size=2,
+                                   out_dir=str(tmp_path / "grpo"), **flags))["history"][1:]
+    dpo_rows = dpo.train_dpo(config(dpo.DPOConfig, batch_size=8, out_dir=str(tmp_path / "dpo"), **flags))["history"][1:]
+    assert [r["lr"] for r in grpo_rows] == pytest.approx(want, rel=1e-12)
+    assert [r["lr"] for r in dpo_rows] == pytest.approx(want, rel=1e-12)

@@ -15,11 +15,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import checkpoint
+import data
 import grpo
 import model
 import reward
-import runtime
 import train
+from checks import UserError, one_line_errors
+from runtime import config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,8 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
     (dict(model=str(ROOT / "train.py")), 1, f"--model {ROOT / 'train.py'}: a file, not an HF model folder"),
 ])
 def test_each_bad_flag_gets_one_line(flags, world, needle):
-    with pytest.raises(SystemExit) as e:
-        train.validate(train.Config(**flags), world)
+    with pytest.raises(UserError) as e:
+        train.validate(config(train.Config, **flags), world)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
@@ -61,16 +64,16 @@ def test_optional_loggers_fail_early_when_not_installed(package):
     if importlib.util.find_spec(package) is not None:
         pytest.skip(f"{package} is installed here: nothing to refuse")
     flags = dict(tensorboard=True) if package == "tensorboard" else dict(wandb_project="p")
-    with pytest.raises(SystemExit, match=f"needs the {package} package"):
-        train.validate(train.Config(**flags), 1)
+    with pytest.raises(UserError, match=f"needs the {package} package"):
+        train.validate(config(train.Config, **flags), 1)
 
 
 def one_line_error(fn, *args) -> str:
-    """The message of the one-line error `fn(*args)` ends with (exit status 2 through runtime.one_line_errors)."""
+    """The message of the one-line error `fn(*args)` ends with (exit status 2 through checks.one_line_errors)."""
     with pytest.raises(SystemExit) as e:
-        runtime.one_line_errors(lambda: fn(*args))
-    assert e.value.code == 2
-    return e.value.__context__.code
+        one_line_errors(lambda: fn(*args))
+    assert e.value.code == 2 and isinstance(e.value.__context__, UserError)
+    return str(e.value.__context__)
 
 
 def test_every_entry_point_checks_its_flags_and_inputs_before_loading_anything(tmp_path, capsys):
@@ -78,6 +81,8 @@ def test_every_entry_point_checks_its_flags_and_inputs_before_loading_anything(t
     import dpo
     import eval_aime
     import logs
+    import recipe
+    import tasks
 
     ok = tmp_path / "ok.jsonl"
     ok.write_text('{"problem": "1+1", "answer": "2"}\n')
@@ -91,15 +96,17 @@ def test_every_entry_point_checks_its_flags_and_inputs_before_loading_anything(t
         (eval_aime.main, (E(model="tiny", data=str(ok), top_p=0.0),), "--top-p 0.0"),
         (eval_aime.main, (E(model="tiny", data=str(ok), out="/etc/hostname/x.jsonl"),), "--out /etc/hostname/x"),
         (eval_aime.main, (E(model="tiny", data=str(tmp_path / "absent.jsonl")),), "absent.jsonl: no such file"),
-        (runtime.export_hf, (["export", str(tmp_path / "nothing"), str(tmp_path / "out")], "train.py"),
+        (checkpoint.export_hf, (["export", str(tmp_path / "nothing"), str(tmp_path / "out")], "train.py"),
          "nothing: no such checkpoint folder"),
-        (runtime.export_hf, (["export", str(empty), str(tmp_path / "out")], "train.py"),
+        (checkpoint.export_hf, (["export", str(empty), str(tmp_path / "out")], "train.py"),
          f"{empty}: not a readable checkpoint (no meta.json)"),
-        (runtime.export_hf, (["export"], "dpo.py"), "usage: python dpo.py export"),
+        (checkpoint.export_hf, (["export"], "dpo.py"), "usage: python dpo.py export"),
         (dpo.main, (["--model", "/no/such/model"],), "--model /no/such/model"),
         (dpo.main, (["--beta", "0"],), "--beta 0.0: must be positive"),
         (logs.main, ([str(tmp_path / "no-run")],), "no-run: no such run folder"),
         (logs.main, ([str(empty)],), f"{empty}: no metrics.jsonl"),
+        (recipe.main, ([str(empty)],), f"{empty}: not a recipe folder"),
+        (tasks.main, (["sum", str(empty)],), "usage: python tasks.py sums DIR"),
         (bench.main, (bench.BenchConfig(steps=1),), "--steps 1: must be at least 2"),
         (bench.main, (bench.BenchConfig(group_size=1),), "--group-size 1"),
     ]
@@ -119,8 +126,6 @@ def test_eval_aime_exits_2_with_one_line_before_any_engine(tmp_path):
 
 
 def test_problem_files_with_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_path):
-    import data
-
     rows = [{"problem": "What is 1+1?", "answer": "2"}, {"problem": "What is 2+2?", "answer": "4"}]
     want = [data.Problem("What is 1+1?", "2"), data.Problem("What is 2+2?", "4")]
     (tmp_path / "p.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\r\n" for r in rows).encode())
@@ -130,10 +135,10 @@ def test_problem_files_with_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_pa
     (tmp_path / "t.txt").write_bytes(b"\xef\xbb\xbfQ: {problem}\r\nA:")
     assert data.read_template(str(tmp_path / "t.txt")) == "Q: {problem}\nA:"
     (tmp_path / "latin1.jsonl").write_bytes('{"problem": "caf\xe9", "answer": "1"}\n'.encode("latin-1"))
-    with pytest.raises(SystemExit, match="latin1.jsonl: not UTF-8 text"):
+    with pytest.raises(data.DataError, match="latin1.jsonl: not UTF-8 text"):
         data.load_problems(str(tmp_path / "latin1.jsonl"))
     (tmp_path / "same.txt").write_text("Solve it.")
-    with pytest.raises(SystemExit, match="no {problem} in it"):
+    with pytest.raises(data.DataError, match="no {problem} in it"):
         data.read_template(str(tmp_path / "same.txt"))
 
 
@@ -167,18 +172,18 @@ def test_nan_in_the_loss_skips_the_update_and_keeps_the_weights(tiny_path, tok):
     adv = grpo.group_advantages(rewards).flatten()
     adv[3] = float("nan")  # one poisoned sequence makes the loss and every gradient NaN
     b = train.make_batch(prompts, samples, adv, False, tok.pad_token_id)
-    cfg = train.Config(prompts_per_step=8, group_size=4)
-    policy = runtime.load_trainable(tiny_path, torch.device("cpu"), False)
+    cfg = config(train.Config, prompts_per_step=8, group_size=4)
+    policy = model.load_trainable(tiny_path, torch.device("cpu"), False)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
-    upd = train.update_policy(policy, None, opt, sched, b, cfg, torch.device("cpu"))
+    upd = train.update_policy(policy, opt, sched, b, cfg, torch.device("cpu"))
     assert upd.skipped == 1 and not torch.isfinite(torch.tensor(upd.grad_norm))
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
     assert not opt.state and sched.last_epoch == 0  # AdamW's moments and the schedule did not move
     # the same batch without the NaN does update
     b.advantages[3] = 0.5
-    upd = train.update_policy(policy, None, opt, sched, b, cfg, torch.device("cpu"))
+    upd = train.update_policy(policy, opt, sched, b, cfg, torch.device("cpu"))
     assert upd.skipped == 0 and any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())
 
 
@@ -236,7 +241,7 @@ def test_trust_remote_code_stays_off_and_says_so(tmp_path):
            "AutoModelForCausalLM": "mod.MyLM"}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "conf.py").write_text("raise RuntimeError('remote code ran')\n")
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UserError) as e:
         model.load_model(str(tmp_path))
     assert "--trust-remote-code" in str(e.value) and str(tmp_path) in str(e.value)
 

@@ -196,12 +196,12 @@ def test_is_oob_counts_what_the_correction_clipped_or_masked():
     v = torch.exp(old - gen)
     cfg = grpo.LossConfig(is_correction="icepop", is_min=0.7, is_cap=1.5)
     _, m = grpo.policy_loss(logp, old, adv, mask, cfg, 1.0, ref, gen)
-    assert m["is_units"] == mask.sum() and m["is_oob"] == (((v < 0.7) | (v > 1.5)) * mask).sum() > 0
+    assert m.is_units == mask.sum() and m.is_oob == (((v < 0.7) | (v > 1.5)) * mask).sum() > 0
     cfg = grpo.LossConfig(is_correction="seq-mask-tis", is_min=0.9, is_cap=1.1)
     _, m = grpo.policy_loss(logp, old, adv, mask, cfg, 1.0, ref, gen)
     rows = mask.sum(1) > 0
     geo = torch.exp(((old - gen) * mask).sum(1) / mask.sum(1).clamp(min=1))
-    assert m["is_units"] == rows.sum() and m["is_oob"] == (((geo < 0.9) | (geo > 1.1)) & rows).sum() > 0
+    assert m.is_units == rows.sum() and m.is_oob == (((geo < 0.9) | (geo > 1.1)) & rows).sum() > 0
 
 
 def test_microbatch_split_gives_same_loss_and_grad():

@@ -9,6 +9,8 @@ import pytest
 import data
 import eval_aime
 import train
+from checks import UserError
+from runtime import config
 
 FIX = Path(__file__).resolve().parent / "fixtures"
 
@@ -30,7 +32,7 @@ def write(path: Path, text: str) -> str:
 ])
 def test_bad_problem_files_name_file_and_row(tmp_path, name, text, needle):
     path = write(tmp_path / name, text)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(data.DataError) as e:  # a UserError: an entry point exits 2 with it (test_faults.py)
         data.load_problems(path)
     msg = str(e.value)
     assert needle in msg and path in msg and "\n" not in msg  # (exit status 2: tests/test_faults.py)
@@ -47,7 +49,7 @@ def test_problem_files_in_every_format_and_field_names(tmp_path):
     for ext in ("jsonl", "json", "parquet"):
         got = data.load_problems(str(tmp_path / f"p.{ext}"), "question", "final")
         assert got == [data.Problem("What is 1+1?", "2"), data.Problem("What is 2+2?", "4")]
-    with pytest.raises(SystemExit, match="no such file"):
+    with pytest.raises(data.DataError, match="no such file"):
         data.load_problems(str(tmp_path / "absent.jsonl"))
 
 
@@ -68,22 +70,26 @@ def test_stage_presets_match_design_and_flags_override():
     want = {1: (8192, 2e-6, 0.0, 0.2, 240), 2: (16384, 2e-6, 1e-3, 0.28, 290), 3: (24576, 5e-7, 1e-4, 0.28, 50)}
     for stage, (seq, lr, beta, eps_high, steps) in want.items():
         c = train.parse_args(["--stage", str(stage), "--data", "x.jsonl"])
-        assert (c.max_seq_len, c.lr, c.kl_beta, c.eps_high, c.steps) == (seq, lr, beta, eps_high, steps)
-        assert (c.prompts_per_step, c.group_size, c.minibatch_size, c.eps_low, c.temperature) == (128, 8, 64, 0.2, 1.0)
-        assert (c.weight_decay, c.warmup_steps, c.grad_clip, c.task, c.stage) == (0.01, 50, 1.0, "math", stage)
-        assert (c.leave_one_out, c.adv_scale, c.pg, c.token_level) == (True, "group", "ppo", True)
+        assert (c.max_seq_len, c.run.lr, c.loss.kl_beta, c.loss.eps_high, c.run.steps) == \
+            (seq, lr, beta, eps_high, steps)
+        assert (c.prompts_per_step, c.group_size, c.minibatch_size, c.loss.eps_low, c.temperature) == \
+            (128, 8, 64, 0.2, 1.0)
+        assert (c.run.weight_decay, c.run.warmup_steps, c.run.grad_clip, c.task, c.stage) == \
+            (0.01, 50, 1.0, "math", stage)
+        assert (c.loss.leave_one_out, c.loss.adv_scale, c.loss.pg, c.loss.token_level) == (True, "group", "ppo", True)
     c = train.parse_args(["--stage=2", "--lr", "1e-6", "--kl-beta", "0", "--max-seq-len", "12000"])
-    assert (c.lr, c.kl_beta, c.max_seq_len, c.eps_high) == (1e-6, 0.0, 12000, 0.28)
+    assert (c.run.lr, c.loss.kl_beta, c.max_seq_len, c.loss.eps_high) == (1e-6, 0.0, 12000, 0.28)
     assert train.parse_args([]) == train.Config()
     gspo = train.parse_args(["--stage", "4"])  # NeMo-RL's GSPO DeepScaleR recipe: stage 1 with GSPO's loss
-    assert gspo == train.Config(**dict(train.STAGES[1], stage=4, pg="gspo", token_level=False))
-    with pytest.raises(SystemExit, match="--stage 5: unknown stage"):
+    assert gspo == config(train.Config, **dict(train.STAGES[1], stage=4, pg="gspo", token_level=False))
+    assert (gspo.loss.pg, gspo.loss.token_level, gspo.loss.eps_high, gspo.run.lr) == ("gspo", False, 0.2, 2e-6)
+    with pytest.raises(UserError, match="--stage 5: unknown stage"):
         train.parse_args(["--stage", "5"])
 
 
 def test_long_prompts_are_dropped_and_reported(tok, capsys):
     problems = data.load_problems(str(FIX / "math_tiny.jsonl"))
-    cfg = train.Config(task="math", data="x", max_seq_len=110, max_new_tokens=20)
+    cfg = config(train.Config, task="math", data="x", max_seq_len=110, max_new_tokens=20)
     kept, ids = train.encode_prompts(cfg, tok, problems, None, "training")
     assert all(len(p) <= 90 for p in ids) and len(kept) == len(ids)
     dropped = len(problems) - len(kept)
@@ -93,9 +99,9 @@ def test_long_prompts_are_dropped_and_reported(tok, capsys):
 
 @pytest.mark.cpu_numerics
 def test_grpo_run_from_a_math_jsonl(vllm_engine, tmp_path):
-    cfg = train.Config(task="math", data=str(FIX / "math_tiny.jsonl"), val_fraction=0.2, max_seq_len=256,
-                       max_new_tokens=24, steps=2, prompts_per_step=8, group_size=4, eval_every=2, eval_samples=2,
-                       out_dir=str(tmp_path), quiet=True, save_final=False)
+    cfg = config(train.Config, task="math", data=str(FIX / "math_tiny.jsonl"), val_fraction=0.2, max_seq_len=256,
+                 max_new_tokens=24, steps=2, prompts_per_step=8, group_size=4, eval_every=2, eval_samples=2,
+                 out_dir=str(tmp_path), quiet=True, save_final=False)
     rows = train.train(cfg, engine=vllm_engine)["history"]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "heldout_pass1" in rows[0] and "heldout_pass1" in rows[2]

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+import bases
 import model
 
 
@@ -77,7 +78,7 @@ def test_chunked_gradient_matches_float64_reference(tiny_path, tok):
 
 def test_tiny_tokenizer_survives_save_and_load(tiny_path, tok):
     """Loaded from disk (as the trainer and vLLM load it) it encodes and decodes exactly like the one built."""
-    built = model.tiny_tokenizer()
+    built = bases.tiny_tokenizer()
     for text in ["3+4+5=12", "What is 2+3? Let's think step by step, within \\boxed{}.", "a  b", "x^{2}"]:
         assert tok(text)["input_ids"] == built(text)["input_ids"]
         assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text

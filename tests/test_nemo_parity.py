@@ -227,7 +227,7 @@ def test_reports_is_oob_ratio_tis():
     _, m, _ = nemo_loss([[0.0, 0.0, 0.0]], torch.tensor(prev, dtype=torch.float64), [1.0], gen=[[0.0, 0.0, 0.0]],
                         reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True,
                         truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0)
-    assert float(m["is_oob"] / m["is_units"]) == pytest.approx(1 / 3)
+    assert float(m.is_oob / m.is_units) == pytest.approx(1 / 3)
 
 
 @pytest.mark.parametrize("kind", ["tis", "icepop", "seq-mask-tis"])
@@ -243,7 +243,7 @@ def test_tis_min_bound_defaults_to_zero(tis_min, weights, oob):
                            truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0,
                            truncated_importance_sampling_ratio_min=tis_min)
     assert loss == pytest.approx(-sum(weights) / 3, rel=1e-6)
-    assert float(m["is_oob"] / m["is_units"]) == pytest.approx(oob)
+    assert float(m.is_oob / m.is_units) == pytest.approx(oob)
 
 
 def test_seq_mask_tis():

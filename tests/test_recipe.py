@@ -16,11 +16,13 @@ from pathlib import Path
 
 import tyro
 
+import bases
 import data
 import eval_aime
-import logs
 import model
+import recipe
 import rollout
+import tasks
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,20 +39,20 @@ def recipe_commands(base: str, out: Path) -> list[list[str]]:
 
 
 def test_recipe_chain_runs_end_to_end(tmp_path):
-    base = model.ensure_tiny_math_base(cache_dir=tmp_path / "cache", steps=20)
+    base = bases.ensure_tiny_math_base(cache_dir=tmp_path / "cache", steps=20)
     tok = model.load_tokenizer(base)
     assert tok.chat_template and "<think>" in tok.decode(tok("<think>", add_special_tokens=False)["input_ids"])
     out = tmp_path / "recipe"
     cmds = recipe_commands(base, out)
-    assert [c[0] for c in cmds] == ["data.py", "eval_aime.py", "train.py", "eval_aime.py", "train.py",
-                                    "eval_aime.py", "train.py", "eval_aime.py", "logs.py"]
+    assert [c[0] for c in cmds] == ["tasks.py", "eval_aime.py", "train.py", "eval_aime.py", "train.py",
+                                    "eval_aime.py", "train.py", "eval_aime.py", "recipe.py"]
     for cmd in cmds:
         script, args = cmd[0], cmd[1:]
-        if script == "data.py":
-            data.write_sums(args[1])
+        if script == "tasks.py":
+            tasks.main(args)
         elif script == "train.py":
             cfg = train.parse_args(args + ["--quiet"])
-            assert cfg.task == "math" and cfg.stage in (1, 2, 3) and cfg.steps == 2
+            assert cfg.task == "math" and cfg.stage in (1, 2, 3) and cfg.run.steps == 2
             train.train(cfg)
         elif script == "eval_aime.py":
             cfg = tyro.cli(eval_aime.EvalConfig, args=args)
@@ -58,7 +60,7 @@ def test_recipe_chain_runs_end_to_end(tmp_path):
             # engine (conftest.py) lives on when it is freed; `make recipe` itself runs eval_aime.py with vLLM
             eval_aime.main(cfg, engine=rollout.HFEngine(model.resolve(cfg.model)))
         else:
-            logs.recipe_report(Path(args[1]))
+            recipe.main(args)
     for stage, cap in ((1, 24), (2, 48), (3, 72)):
         cfg = json.loads((out / f"s{stage}" / "config.json").read_text())
         assert cfg["max_new_tokens"] == cap and cfg["stage"] == stage
@@ -70,10 +72,10 @@ def test_recipe_chain_runs_end_to_end(tmp_path):
 
 
 def test_heldout_problems_are_not_in_the_pretraining_corpus():
-    tok = model.chat_tokenizer(data.sums_scaffold_texts(), data.SUMS_ADDED_TOKENS)
-    _, heldout, _ = data.sums_split()
+    tok = bases.chat_tokenizer(tasks.sums_scaffold_texts(), tasks.SUMS_ADDED_TOKENS)
+    _, heldout, _ = tasks.sums_split()
     held = {tuple(data.math_prompt(tok, p.prompt)) for p in heldout}
-    proper, practice = data.sums_corpus(tok, 3000)
+    proper, practice = tasks.sums_corpus(tok, 3000)
     for ids, mask in proper + practice:
         assert tuple(ids[: mask.index(1)]) not in held
     # the chain-practice pool hides exactly one token, the one where a chain and a direct answer part

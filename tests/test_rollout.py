@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-import data
 import distributed
 import model
 import rollout
+import tasks
 import train
 
 
 def prompts_of(tok, n=64):
-    _, heldout = data.sum3_split()
+    _, heldout = tasks.sum3_split()
     return [tok(p.prompt)["input_ids"] for p in heldout[:n]]
 
 

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import bases
 import bench
 import data
-import model
 
 # deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B's config.json, the fields its shape and numerics depend on (the hub's
 # file says "rope_theta": 10000; transformers 5 keeps it under rope_parameters)
@@ -27,27 +27,27 @@ HUB_CONFIG = {
 
 
 def test_r1_shape_config_is_the_hubs_with_its_layers_cut():
-    c = model.r1_shape_config(layers=2).to_dict()
+    c = bases.r1_shape_config(layers=2).to_dict()
     assert {k: c[k] for k in HUB_CONFIG} == dict(HUB_CONFIG, num_hidden_layers=2)
     assert c["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
-    assert model.R1_SHAPE in model.BUILTIN
+    assert bases.R1_SHAPE in bases.BUILTIN
 
 
 @pytest.fixture(scope="module")
 def r1_tok():
-    return model.r1_tokenizer()
+    return bases.r1_tokenizer()
 
 
 def test_r1_tokenizer_decodes_every_id_after_save_and_load(r1_tok, tmp_path):
     r1_tok.save_pretrained(tmp_path)
-    model.r1_shape_config(2).save_pretrained(tmp_path)  # as in the checkpoint: loaded as Qwen2Tokenizer
+    bases.r1_shape_config(2).save_pretrained(tmp_path)  # as in the checkpoint: loaded as Qwen2Tokenizer
     tok = AutoTokenizer.from_pretrained(tmp_path)
-    assert type(tok).__name__ == "Qwen2Tokenizer" and len(tok) == model.R1_VOCAB
+    assert type(tok).__name__ == "Qwen2Tokenizer" and len(tok) == bases.R1_VOCAB
     assert tok.eos_token_id == tok.pad_token_id == HUB_CONFIG["eos_token_id"]
-    tokens = tok.convert_ids_to_tokens(list(range(model.R1_VOCAB)))
-    assert None not in tokens and len(set(tokens)) == model.R1_VOCAB  # every id is a token of its own
+    tokens = tok.convert_ids_to_tokens(list(range(bases.R1_VOCAB)))
+    assert None not in tokens and len(set(tokens)) == bases.R1_VOCAB  # every id is a token of its own
     rng = random.Random(0)
-    ids = [0, 255, 256, 151642, 151643, 151935] + [rng.randrange(model.R1_VOCAB) for _ in range(5000)]
+    ids = [0, 255, 256, 151642, 151643, 151935] + [rng.randrange(bases.R1_VOCAB) for _ in range(5000)]
     for skip in (False, True):
         assert isinstance(tok.decode(ids, skip_special_tokens=skip), str)
     assert all(isinstance(tok.decode([i]), str) for i in ids[:500])
@@ -61,12 +61,12 @@ def test_r1_tokenizer_decodes_every_id_after_save_and_load(r1_tok, tmp_path):
 
 def test_r1_shape_builds_a_real_checkpoint(tmp_path):
     """The same builder at 1 layer and a 2048-token vocabulary: bf16 on disk, HF's init, untied, loadable."""
-    path = model.ensure_r1_shape_base(tmp_path, layers=1, vocab_size=2048)
-    assert model.ensure_r1_shape_base(tmp_path, layers=1, vocab_size=2048) == path  # cached
+    path = bases.ensure_r1_shape_base(tmp_path, layers=1, vocab_size=2048)
+    assert bases.ensure_r1_shape_base(tmp_path, layers=1, vocab_size=2048) == path  # cached
     with safe_open(f"{path}/model.safetensors", "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    assert m.config.num_hidden_layers == 1 and m.config.eos_token_id == 2048 - model.R1_ADDED
+    assert m.config.num_hidden_layers == 1 and m.config.eos_token_id == 2048 - bases.R1_ADDED
     assert m.lm_head.weight.data_ptr() != m.model.embed_tokens.weight.data_ptr()
     assert abs(m.model.layers[0].mlp.up_proj.weight.std().item() - 0.02) < 0.001
     assert len(AutoTokenizer.from_pretrained(path)) == 2048

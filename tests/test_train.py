@@ -3,15 +3,20 @@
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import bases
 import distributed
+import dpo
 import model
 import rollout
 import train
+from checks import UserError
+from runtime import config
 
 METRIC_KEYS = {"reward_mean", "response_len_mean", "loss", "clip_frac_low", "clip_frac_high", "kl", "entropy",
                "token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error", "is_oob_frac", "time_generate", "time_score", "time_logprobs", "time_update", "time_refit",
@@ -20,7 +25,7 @@ METRIC_KEYS = {"reward_mean", "response_len_mean", "loss", "clip_frac_low", "cli
 
 @pytest.mark.cpu_numerics
 def test_short_grpo_run_raises_heldout_reward(vllm_engine, tmp_path):
-    cfg = train.Config(steps=25, eval_every=25, seed=0, out_dir=str(tmp_path), quiet=True)
+    cfg = config(train.Config, steps=25, eval_every=25, seed=0, out_dir=str(tmp_path), quiet=True)
     result = train.train(cfg, engine=vllm_engine)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 26 and rows == result["history"]
@@ -37,8 +42,8 @@ def test_short_grpo_run_raises_heldout_reward(vllm_engine, tmp_path):
 
 @pytest.mark.cpu_numerics
 def test_hf_engine_runs_the_same_loop(tmp_path):
-    cfg = train.Config(engine="hf", steps=3, eval_every=0, prompts_per_step=8, group_size=4,
-                       minibatch_size=16, out_dir=str(tmp_path), quiet=True, save_final=False)
+    cfg = config(train.Config, engine="hf", steps=3, eval_every=0, prompts_per_step=8, group_size=4,
+                 minibatch_size=16, out_dir=str(tmp_path), quiet=True, save_final=False)
     rows = train.train(cfg)["history"]
     assert len(rows) == 4 and all(0.0 <= r["reward_mean"] <= 1.0 for r in rows[1:])
     # two minibatches: old logprobs come from a pass of their own and must still match the engine
@@ -58,30 +63,26 @@ def test_micro_batches_cover_every_row_once_within_budget():
 
 
 def test_bad_flags_fail_with_one_line_before_any_model_loads(monkeypatch, tmp_path):
-    import model
-
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the config was validated")
 
     monkeypatch.setattr(model, "load_model", no_load)
-    monkeypatch.setattr(model, "ensure_tiny_base", no_load)
+    monkeypatch.setattr(bases, "ensure_tiny_base", no_load)
     for flags, needle in [(dict(group_size=1), "--group-size 1"), (dict(prompts_per_step=0), "--prompts-per-step 0"),
                           (dict(lr=0.0), "--lr 0.0"), (dict(max_new_tokens=64), "--max-new-tokens 64"),
                           (dict(minibatch_size=10_000), "--minibatch-size 10000"),
                           (dict(model=str(tmp_path / "nope")), "--model")]:
-        with pytest.raises(SystemExit) as e:
-            train.train(train.Config(out_dir=str(tmp_path), **flags))
+        with pytest.raises(UserError) as e:
+            train.train(config(train.Config, out_dir=str(tmp_path), **flags))
         assert needle in str(e.value) and "\n" not in str(e.value)
 
 
 def test_kl_to_reference_starts_at_zero_and_grows(vllm_engine, tmp_path, monkeypatch):
-    import model
-
     loads = []
     real_load = model.load_model
     monkeypatch.setattr(model, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
-    cfg = train.Config(steps=12, eval_every=0, kl_beta=0.05, lr=1e-3, out_dir=str(tmp_path), quiet=True,
-                       save_final=False)
+    cfg = config(train.Config, steps=12, eval_every=0, kl_beta=0.05, lr=1e-3, out_dir=str(tmp_path), quiet=True,
+                 save_final=False)
     rows = train.train(cfg, engine=vllm_engine)["history"][1:]
     assert len(loads) == 2  # the policy and the frozen reference
     assert rows[0]["kl"] == 0.0  # the first step's policy is the reference
@@ -89,19 +90,17 @@ def test_kl_to_reference_starts_at_zero_and_grows(vllm_engine, tmp_path, monkeyp
 
 
 def test_beta_zero_loads_no_reference_model(vllm_engine, tmp_path, monkeypatch):
-    import model
-
     loads = []
     real_load = model.load_model
     monkeypatch.setattr(model, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
-    rows = train.train(train.Config(steps=1, eval_every=0, out_dir=str(tmp_path), quiet=True, save_final=False),
-                       engine=vllm_engine)["history"]
+    rows = train.train(config(train.Config, steps=1, eval_every=0, out_dir=str(tmp_path), quiet=True,
+                              save_final=False), engine=vllm_engine)["history"]
     assert len(loads) == 1 and rows[1]["kl"] == 0.0
 
 
 def test_dynamic_sampling_trains_only_on_informative_groups(vllm_engine, tmp_path):
-    cfg = train.Config(steps=3, eval_every=0, dynamic_sampling=True, dynamic_sampling_max_tries=6,
-                       out_dir=str(tmp_path), quiet=True, save_final=False)
+    cfg = config(train.Config, steps=3, eval_every=0, dynamic_sampling=True, dynamic_sampling_max_tries=6,
+                 out_dir=str(tmp_path), quiet=True, save_final=False)
     rows = train.train(cfg, engine=vllm_engine)["history"][1:]
     for r in rows:
         assert r["zero_var_group_frac"] > 0  # some groups were generated without signal...
@@ -114,8 +113,8 @@ def test_dynamic_sampling_trains_only_on_informative_groups(vllm_engine, tmp_pat
 def test_logged_means_count_every_sequence_even_when_overlong_filtering_masks_them(vllm_engine, tmp_path):
     # max_new_tokens=1: every response is truncated, so overlong filtering leaves no sequence in the loss; the
     # step's logged means must still be over all its sequences (the loss's own counts once overwrote them)
-    cfg = train.Config(steps=1, eval_every=0, max_new_tokens=1, overlong_filter=True, out_dir=str(tmp_path),
-                       quiet=True, save_final=False, checkpoint_every=0)
+    cfg = config(train.Config, steps=1, eval_every=0, max_new_tokens=1, overlong_filter=True, out_dir=str(tmp_path),
+                 quiet=True, save_final=False, checkpoint_every=0)
     row = train.train(cfg, engine=vllm_engine)["history"][1]
     assert row["truncated_frac"] == 1.0 and row["response_len_mean"] == 1.0
     assert 0.0 <= row["reward_mean"] <= 1.0 and row["loss"] == 0.0
@@ -125,28 +124,24 @@ def test_logged_means_count_every_sequence_even_when_overlong_filtering_masks_th
 def test_dtype_flag_sets_the_training_compute_on_cpu(tiny_path, dtype):
     """--dtype bfloat16 on CPU computes the trainer's forward in bf16 (autocast over float32 weights) in GRPO and
     DPO alike; float32 stays float32. Both against an independent float64 forward of the same model."""
-    import torch
-
-    import dpo
-    import model
-
     lm = model.load_model(tiny_path)  # float32 master weights in either case
     seen = []
     lm.model.layers[0].mlp.down_proj.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
     g = torch.Generator().manual_seed(0)
     prompt, resp = torch.randint(3, 90, (4, 6), generator=g), torch.randint(3, 90, (4, 20), generator=g)
-    ids = torch.cat([prompt, resp], 1)  # [4, 26]
-    mb = dict(input_ids=ids, attention_mask=torch.ones_like(ids), resp_start=torch.full((4,), 6), T=20)
+    samples = [rollout.Sample(0, resp[i].tolist(), [0.0] * 20, False) for i in range(4)]
+    mb = train.make_batch([prompt[i].tolist() for i in range(4)], [replace(s, prompt_idx=i) for i, s in enumerate(samples)],
+                          torch.zeros(4), False, 0)  # [4, 26], responses from position 6
     cpu = torch.device("cpu")
-    logp = train._logprobs(model.LogprobModel(lm), mb, train.Config(dtype=dtype), cpu, grad=True)[0]  # [4, 20]
-    ref = model.token_logprobs(model.load_model(tiny_path, dtype=torch.float64), ids, mb["attention_mask"],
-                               mb["resp_start"], 20)[0]  # [4, 20] float64
+    logp = train.logprobs(model.LogprobModel(lm), mb, config(train.Config, dtype=dtype), cpu, grad=True)[0]  # [4, 20]
+    ref = model.token_logprobs(model.load_model(tiny_path, dtype=torch.float64), mb.input_ids, mb.attention_mask,
+                               mb.resp_start, 20)[0]  # [4, 20] float64
     want = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     assert seen == [want], seen
     err = (logp.double() - ref).abs().max().item()
     assert (err < 0.1) if dtype == "bfloat16" else (err < 1e-4), err
     pairs = [dpo.Pair(tuple(prompt[i].tolist()), tuple(resp[i].tolist()), tuple(resp[i, :10].tolist())) for i in range(2)]
-    dpo.pair_logps(model.LogprobModel(lm), pairs, dpo.DPOConfig(dtype=dtype), cpu, pad_id=0, grad=False)
+    dpo.pair_logps(model.LogprobModel(lm), pairs, config(dpo.DPOConfig, dtype=dtype), cpu, pad_id=0, grad=False)
     assert seen == [want, want], seen
 
 
@@ -156,9 +151,10 @@ def test_a_stand_in_micro_batch_is_two_tokens_whatever_the_batch(tok):
     prompts = [[1] + [5] * 300, [1, 5]]
     samples = [rollout.Sample(0, [6] * 700, [-1.0] * 700, True), rollout.Sample(1, [6, 2], [-1.0, -1.0], False)]
     b = train.make_batch(prompts, samples, torch.tensor([1.0, -1.0]), False, 0)
-    mb = train.rows_of(b, [])
-    assert mb["input_ids"].shape == (1, 2) and mb["T"] == 1
-    assert float(mb["loss_mask"].sum()) == 0.0 and float(mb["advantages"].abs().sum()) == 0.0
-    m = model.load_model(model.resolve(model.TINY))
-    lp, _ = model.token_logprobs(m, mb["input_ids"], mb["attention_mask"], mb["resp_start"], mb["T"])
+    one, stand_in = train.micro_batches(b, [1], token_budget=10**6)[0], b.stand_in()
+    assert one.rows == [1] and one.input_ids.shape == (1, 4) and one.T == 2  # trimmed to its own row
+    assert stand_in.input_ids.shape == (1, 2) and stand_in.T == 1 and stand_in.rows == []
+    assert float(stand_in.loss_mask.sum()) == 0.0 and float(stand_in.advantages.abs().sum()) == 0.0
+    m = model.load_model(model.resolve(bases.TINY))
+    lp, _ = model.token_logprobs(m, stand_in.input_ids, stand_in.attention_mask, stand_in.resp_start, stand_in.T)
     assert lp.shape == (1, 1)  # its one response token goes through the LM head: every parameter takes part

@@ -1,0 +1,190 @@
+"""Checkpoints: saving a step, resuming from the newest readable one, and HF folders for transformers and vLLM.
+
+What it does:
+- save_step / resume: a checkpoint holds everything a resumed run needs to continue exactly: the model and
+  optimizer shards (torch.distributed.checkpoint: each rank writes its own), and in one small file per rank what
+  must come back exactly: the LR schedule, the data order and position, the torch RNG. It is written to a
+  temporary folder and renamed into place only when complete, and only the newest --keep-checkpoints stay (write).
+  resume picks the newest checkpoint that can be read and says, in one line, why it skipped any newer one
+  (problem: cut short by a full disk, a partial copy; or a shard that holds more than tensors).
+- save_hf / export_hf: HF folders that transformers and vLLM load, from a live run (<out_dir>/final) or from any
+  saved step (`python train.py export CKPT OUT`, `python dpo.py export CKPT OUT`).
+- Loading is safe with files from elsewhere: each rank's file is read with torch.load(..., weights_only=True), so a
+  pickle that would run code is refused, and resume names it and uses the checkpoint before.
+
+What it does not do: decide when to save (runtime.Run does: every --checkpoint-every steps, at the last, on
+Ctrl-C), or what the model is (model.load_trainable).
+"""
+
+import json
+import os
+import pickle
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
+
+import distributed
+import model
+from checks import check, writable
+
+def save_step(out: Path, step: int, policy, opt, sched, stream, meta: dict, keep: int) -> Path:
+    """<out>/checkpoints/step_NNNNNN: all a resumed run needs: model and optimizer shards, and on every rank the
+    LR schedule, the data order and position (data.PromptStream), and the torch RNG (write)."""
+    rank_state = dict(sched=sched.state_dict(), stream_rng=stream.rng.getstate(), stream_buf=stream.buf,
+                      torch_rng=torch.get_rng_state())
+    return write(out / "checkpoints", step, policy, opt, meta, rank_state, keep=keep)
+
+
+def resume(folder: Path, policy, opt, sched, stream) -> tuple[Path, int] | None:
+    """Restore the newest checkpoint in `folder` that can be read; (its path, its step), or None to start fresh.
+
+    A damaged checkpoint (a meta.json cut short by a full disk, a missing or unreadable shard) is skipped with one
+    line saying which and why, and the one before it is used; when none can be read the run starts as its flags
+    say, and says so (its metrics.jsonl starts over).
+    """
+    skipped = []
+    for ckpt in saved(folder)[::-1]:
+        why = problem(ckpt)
+        if why is None:
+            try:
+                meta, rank_state = load(ckpt, policy, opt)
+            except Exception as e:  # a torn shard: the model and optimizer are loaded again from an older one
+                why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        why = distributed.any_rank(why)
+        if why is not None:
+            distributed.print0(f"checkpoint {ckpt} is damaged ({why}): skipped")
+            skipped.append(ckpt)
+            continue
+        sched.load_state_dict(rank_state["sched"])
+        stream.rng.setstate(rank_state["stream_rng"])
+        stream.buf = rank_state["stream_buf"]
+        torch.set_rng_state(rank_state["torch_rng"])
+        return ckpt, meta["step"]
+    if skipped:
+        distributed.print0(f"no readable checkpoint in {folder}: starting from step 0 as the flags say (metrics "
+                           "start over)")
+    return None
+
+
+def saved(folder: Path) -> list[Path]:
+    """The checkpoint folders (step_NNNNNN) in `folder`, oldest first. A save killed before its rename left only a
+    .tmp-step_NNNNNN folder, which is never listed."""
+    return sorted(p for p in Path(folder).glob("step_*") if p.is_dir())
+
+
+def problem(path: Path) -> str | None:
+    """Why the checkpoint folder cannot be resumed from (a few words), or None when all its files are there and
+    its meta.json reads."""
+    try:
+        meta = json.loads((Path(path) / "meta.json").read_text())
+    except FileNotFoundError:
+        return "no meta.json"
+    except ValueError:
+        return "meta.json is not valid JSON: cut short?"
+    except OSError as e:
+        return f"meta.json unreadable: {e.strerror}"
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        return "meta.json has no step"
+    if not (Path(path) / ".metadata").is_file():
+        return "no .metadata: the model and optimizer shards are incomplete"
+    missing = [r for r in range(meta.get("world", 1)) if not (Path(path) / f"rank{r}.pt").is_file()]
+    return f"no rank{missing[0]}.pt" if missing else None
+
+
+def write(folder: Path, step: int, policy, opt, meta: dict, rank_state: dict, keep: int) -> Path:
+    """folder/step_NNNNNN: sharded model and optimizer, `meta` (rank 0's JSON), `rank_state` (per rank, torch.save).
+
+    Written as folder/.tmp-step_NNNNNN and renamed when every rank has finished; then only the newest `keep` stay.
+    """
+    final, tmp = Path(folder) / f"step_{step:06d}", Path(folder) / f".tmp-step_{step:06d}"
+    if distributed.is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    distributed.barrier()
+    model_sd, optim_sd = get_state_dict(policy, opt)
+    with _single_process_is_meant():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not distributed.in_group())
+    torch.save(rank_state, tmp / f"rank{distributed.rank()}.pt")
+    distributed.barrier()
+    if distributed.is_main():
+        meta = dict(meta, step=step, world=distributed.world_size())
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # last: a folder with a meta.json is complete
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        # the newest `keep` up to this step stay; any later one is from a timeline this run replaced (it started
+        # over: --no-resume, or every checkpoint was damaged) and would be picked up by the next resume
+        done = saved(folder)
+        for old in [c for c in done if c.name > final.name] + [c for c in done if c.name <= final.name][:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    distributed.barrier()
+    return final
+
+
+@contextmanager
+def _single_process_is_meant():
+    """torch.distributed.checkpoint warns "torch.distributed is disabled ..." on every single-process save and load,
+    even when asked for one (no_dist=True): a line that tells a user nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def load(path: Path, policy, opt) -> tuple[dict, dict]:
+    """Loads the shards into `policy` (and `opt`, unless None) in place; returns (meta, this rank's state)."""
+    if opt is None:
+        state = {"model": get_model_state_dict(policy)}
+        with _single_process_is_meant():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not distributed.in_group())
+        set_model_state_dict(policy, state["model"])
+    else:
+        model_sd, optim_sd = get_state_dict(policy, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        with _single_process_is_meant():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not distributed.in_group())
+        set_state_dict(policy, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    # weights_only: tensors and plain Python types only; a pickle that would run code (a checkpoint from someone
+    # else) is refused, and resume() names the checkpoint and skips it
+    try:
+        return meta, torch.load(Path(path) / f"rank{distributed.rank()}.pt", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(f"rank{distributed.rank()}.pt holds more than tensors and plain Python values, "
+                                     "refused: loading it could run code") from e
+
+
+def save_hf(lm, tok, folder: Path) -> None:
+    """An HF checkpoint (config, safetensors, tokenizer) that transformers and vLLM load directly. A collective
+    under FSDP (every rank gathers, only rank 0 keeps a full copy); rank 0 writes it aside and renames it into
+    place, never half-written."""
+    state = distributed.full_state_dict(lm)
+    if distributed.is_main():
+        folder, tmp = Path(folder), Path(str(folder) + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        lm.save_pretrained(tmp, state_dict=state)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+
+
+def export_hf(argv: list[str], script: str) -> None:
+    """`python SCRIPT export RUN/checkpoints/step_NNNNNN OUT`: the HF checkpoint of any saved step (GRPO or DPO:
+    the run's start weights come from the config the checkpoint recorded)."""
+    check([(len(argv) == 3, f"usage: python {script} export RUN/checkpoints/step_NNNNNN OUT_FOLDER")])
+    ckpt, out = Path(argv[1]), Path(argv[2])
+    check([(ckpt.is_dir(), f"{ckpt}: no such checkpoint folder")])
+    why = problem(ckpt)
+    check([(why is None, f"{ckpt}: not a readable checkpoint ({why})"),
+           (writable(out.parent), f"{out}: cannot be written")])
+    meta = json.loads((ckpt / "meta.json").read_text())
+    run = meta["config"]["run"]  # the flags every run has (runtime.RunConfig)
+    path = meta["config"].get("init_from") or model.resolve(run["model"])  # GRPO's --init-from, else --model
+    policy = model.load_trainable(path, torch.device("cpu"), False, run["trust_remote_code"])
+    load(ckpt, policy, None)
+    save_hf(policy.lm, model.load_tokenizer(path, run["trust_remote_code"]), out)
+    print(f"exported step {meta['step']} of {ckpt} to {out}")
