@@ -35,6 +35,7 @@ import model as M
 import reward
 import rollout
 import runtime
+import user_reward
 from logs import plot
 
 
@@ -62,6 +63,10 @@ class Config:
     problem_field: str = "problem"  # field of the problem text (DeepScaleR-Preview: problem)
     answer_field: str = "answer"  # field of the gold answer (DeepScaleR-Preview: answer)
     prompt_template: str = ""  # a text file with {problem}, used instead of the chat template + instruction
+    reward: str = ""  # your own reward, path/to/file.py:function, a (response, gold) -> float used instead of the
+    #   task's for training and held-out figures; a call that raises, hangs or returns a non-number scores 0 and is
+    #   counted (reward_errors) and warned about (user_reward.py; my_reward.py is an example)
+    reward_timeout_s: float = 1.0  # --reward: a call running longer scores 0 (its worker process is killed)
     stage: Literal[0, 1, 2, 3, 4] = 0  # DeepScaleR preset (1: 8K, 2: 16K, 3: 24K, 4: GSPO 8K); flags override it
     init_from: str = ""  # start from this HF checkpoint folder (e.g. the previous stage's <out_dir>/final)
     # batch shape
@@ -213,6 +218,8 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             last_eval = evaluate(step)
             row.update(last_eval)
+        if cfg.reward:  # samples (training and held-out) whose --reward raised, hung or returned a non-number
+            row.update(reward_errors=int(dist.all_reduce_sum(torch.tensor([float(task.reward_fn.take_failures())]))[0]))
         row.update(time_step=time.time() - t0)
         row.update(tokens_per_s=row["response_len_mean"] * row["seqs"] / row["time_step"], elapsed=time.time() - t_start)
         history.append(row)
@@ -514,7 +521,7 @@ class Task:
 
     path: str  # the start weights (--init-from, or --model resolved)
     tok: object  # the model's tokenizer
-    reward_fn: object  # reward.exact_reward (sum3) or reward.math_reward
+    reward_fn: object  # reward.exact_reward (sum3), reward.math_reward, or --reward's user_reward.Guarded
     train: list[data.Problem]
     train_prompts: list[list[int]]  # token ids of each training prompt
     heldout: list[data.Problem]  # the first --eval-prompts held-out problems that fit
@@ -537,6 +544,8 @@ def load_task(cfg: Config) -> Task:
     train_set, train_prompts = encode_prompts(cfg, tok, train_set, template, "training")
     heldout, heldout_prompts = encode_prompts(cfg, tok, heldout[: cfg.eval_prompts], template, "held-out")
     reward_fn = reward.exact_reward if cfg.task == "sum3" else reward.math_reward
+    if cfg.reward:
+        reward_fn = user_reward.load(cfg.reward, cfg.reward_timeout_s)
     return Task(path, tok, reward_fn, train_set, train_prompts, heldout, heldout_prompts)
 
 
@@ -622,6 +631,7 @@ def validate(cfg: Config, world: int) -> None:
          f"--init-from {cfg.init_from}: not an HF checkpoint folder (no config.json)"),
         (cfg.task != "math" or bool(cfg.data), "--data: the math task needs a problem file or dataset name"),
         (0.0 <= cfg.val_fraction < 1.0, f"--val-fraction {cfg.val_fraction}: must be in [0, 1)"),
+        *user_reward.checks(cfg.reward, cfg.reward_timeout_s),
     ]
     runtime.check(checks + runtime.run_checks(cfg))
 
