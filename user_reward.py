@@ -18,9 +18,10 @@ What it does:
 Why a process and not a thread or a signal: a thread that hangs cannot be stopped and would keep a core and the
 GIL; signals (math-verify's own time limits, reward.py) work only in a main thread, share the one real-time
 timer with math-verify, and do not stop C code (a regular expression backtracking forever). A killed process
-always stops. The cost is one round trip through a pipe per call (tens of microseconds on a laptop; see
-docs/experiments.md), and one process start (plus your file's imports) at the first call and after each timeout.
-A reward that hangs on every call makes every sample cost the time limit: the warnings say so.
+always stops. The cost is one round trip through a pipe per call (~40 microseconds on a laptop), and one process
+start (Python and your file's imports, which the time limit does not count) at the first call and after each
+timeout or death. A reward that hangs on every call makes every sample cost the time limit (the demo scores 256
+samples a step: ~4 min a step at 1 s); the warnings say so, and a lower --reward-timeout-s bounds it.
 
 What it does not do: sandbox your code (it runs as you, with your files and network), batch calls, or run calls
 in parallel. Your function gets the decoded response (special tokens removed) and the problem's gold answer, as
@@ -42,6 +43,8 @@ import time
 from pathlib import Path
 
 KINDS = ("raised", "timed out", "non-number")
+STARTUP_S = 120.0  # a worker's start: Python and your file's imports (math-verify and sympy take seconds), not timed
+#   by --reward-timeout-s; past this the call counts as timed out
 
 
 def parse_spec(spec: str) -> tuple[Path, str]:
@@ -151,8 +154,13 @@ class Guarded:
             self._proc = subprocess.Popen([sys.executable, str(Path(__file__).absolute()), self.spec],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
                                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+            self._reply(STARTUP_S)  # its "ready" once the file is imported: imports do not count against a call
         self._proc.stdin.write(request)
-        deadline = time.monotonic() + self.timeout_s
+        return self._reply(self.timeout_s)
+
+    def _reply(self, limit_s: float) -> dict:
+        """The worker's next line, or TimeoutError after limit_s seconds."""
+        deadline = time.monotonic() + limit_s
         fd = self._proc.stdout.fileno()
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
@@ -212,6 +220,8 @@ def serve(spec: str) -> None:
         fn = import_function(spec)
     except BaseException as e:  # noqa: BLE001 every call then reports it
         fn, import_error = None, f"{_one_line(e)} (while importing the file)"
+    replies.write('{"ready": true}\n')
+    replies.flush()
     for line in sys.stdin:
         if fn is None:
             reply = {"error": import_error}

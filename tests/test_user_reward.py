@@ -106,6 +106,15 @@ def test_a_worker_recovers_after_a_failure(rewards):
         fn.close()
 
 
+def test_a_slow_import_does_not_count_against_the_calls(tmp_path):
+    """The time limit is the call's: a file whose imports take longer (math-verify and sympy take seconds) works."""
+    path = tmp_path / "slow_import.py"
+    path.write_text("import time\ntime.sleep(1.0)\n\ndef f(response, gold):\n    return 1.0\n")
+    fn = user_reward.load(f"{path}:f", timeout_s=0.2)
+    assert [fn("a", "b") for _ in range(3)] == [1.0] * 3 and fn.failures() == 0
+    fn.close()
+
+
 def test_bad_reward_values_get_one_line(rewards, tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("import no_such_module_here\n")
