@@ -32,6 +32,7 @@ import distributed
 import model
 import reward
 import rollout
+import user_reward
 from checks import check, one_line_errors, writable
 
 
@@ -43,8 +44,9 @@ class EvalConfig:
     problem_field: str = "problem"  # field holding the problem text
     answer_field: str = "answer"  # field holding the gold answer
     prompt_template: str = ""  # a text file with {problem}, used instead of the chat template + instruction
-    reward: Literal["math", "exact"] = "math"  # math: last \boxed{} checked by math-verify; exact: the whole response
-    #   equals the answer
+    reward: str = "math"  # math: last \boxed{} checked by math-verify; exact: the whole response equals the answer;
+    #   path/to/file.py:function: your own (response, gold) -> float, guarded as in train.py (user_reward.py)
+    reward_timeout_s: float = 1.0  # --reward FILE:FUNCTION: a call running longer scores 0
     k: int = 16  # samples per problem
     temperature: float = 0.6  # sampling temperature
     top_p: float = 0.95  # nucleus sampling
@@ -102,6 +104,9 @@ def validate(cfg: EvalConfig, world: int) -> None:
     """One line naming the bad flag, before any model or engine loads."""
     check([
         *model.model_checks("--model", cfg.model),
+        (cfg.reward in ("math", "exact") or ":" in cfg.reward,
+         f"--reward {cfg.reward}: use math, exact, or your own path/to/file.py:function"),
+        *(user_reward.checks(cfg.reward, cfg.reward_timeout_s) if cfg.reward not in ("math", "exact") else []),
         (cfg.k >= 1, f"--k {cfg.k}: must be at least 1"),
         (cfg.temperature >= 0, f"--temperature {cfg.temperature}: must be 0 (greedy) or positive"),
         (0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"),
@@ -140,7 +145,8 @@ def main(cfg: EvalConfig, engine=None) -> dict:
                                           external_launcher=world > 1)
     samples = engine.generate(prompts[first:last], n=cfg.k, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p, seed=cfg.seed, first_index=first)
-    score = reward.math_reward if cfg.reward == "math" else reward.exact_reward
+    score = {"math": reward.math_reward, "exact": reward.exact_reward}.get(cfg.reward) \
+        or user_reward.load(cfg.reward, cfg.reward_timeout_s)
     rows = []
     for s in samples:
         i = first + s.prompt_idx
@@ -148,6 +154,8 @@ def main(cfg: EvalConfig, engine=None) -> dict:
         rows.append({"problem_idx": i, "answer": problems[i].answer, "response": text,
                      "reward": score(text, problems[i].answer), "truncated": s.truncated, "tokens": len(s.token_ids)})
     rows = [r for part in distributed.gather_to_main(rows if rank % tp == 0 else []) for r in part]
+    own = score.failures() if isinstance(score, user_reward.Guarded) and rank % tp == 0 else 0
+    failed = int(distributed.all_reduce_sum(torch.tensor([float(own)]))[0])  # samples a --reward FILE:FUNCTION failed on
     distributed.close(engine if own_engine else None)  # every collective is done
     if not distributed.is_main():
         return {}
@@ -156,6 +164,8 @@ def main(cfg: EvalConfig, engine=None) -> dict:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     tmp.replace(out)
     summary = summarize(rows, len(problems), cfg.k)
+    if cfg.reward not in ("math", "exact"):
+        summary["reward_errors"] = failed  # samples whose reward raised, hung or returned a non-number: scored 0
     for i, c in enumerate(summary["correct"]):
         print(f"problem {i:4d}  {c:3d}/{cfg.k}  gold {problems[i].answer[:40]}")
     lo, hi = summary["ci95"]
@@ -163,6 +173,7 @@ def main(cfg: EvalConfig, engine=None) -> dict:
           f"top_p={cfg.top_p}, {groups} engine{'s' if groups > 1 else ''})\n"
           f"pass@1 {summary['pass@1']:.4f}  (95% CI {lo:.4f} .. {hi:.4f})   pass@{cfg.k} {summary[f'pass@{cfg.k}']:.4f}\n"
           f"mean response {summary['mean_response_tokens']:.0f} tokens, truncated {summary['truncated_frac']:.3f}\n"
+          + (f"reward errors (scored 0): {failed}\n" if "reward_errors" in summary else "") +
           f"samples in {out}")
     summary_file = out.with_suffix(".summary.json")
     summary_file.with_suffix(".tmp").write_text(json.dumps({"config": asdict(cfg), **summary}, indent=1))

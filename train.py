@@ -37,6 +37,7 @@ import reward
 import rollout
 import runtime
 import tasks
+import user_reward
 from checkpoint import export_hf
 from checks import UserError, check, one_line_errors
 
@@ -58,6 +59,11 @@ class Config:
     problem_field: str = "problem"  # math: field of the problem text (DeepScaleR-Preview: problem)
     answer_field: str = "answer"  # math: field of the gold answer (DeepScaleR-Preview: answer)
     prompt_template: str = ""  # a text file with {problem}, used instead of the chat template + instruction
+    # your own reward, path/to/file.py:function, a (response, gold) -> float used instead of the task's for training
+    # and held-out figures; a call that raises, hangs or returns a non-number scores 0 and is counted
+    # (reward_errors) and warned about (user_reward.py; my_reward.py is an example)
+    reward: str = ""
+    reward_timeout_s: float = 1.0  # --reward: a call running longer scores 0 (its worker process is killed)
     stage: Literal[0, 1, 2, 3, 4] = 0  # DeepScaleR preset (1: 8K, 2: 16K, 3: 24K, 4: GSPO 8K); flags override it
     init_from: str = ""  # start from this HF checkpoint folder (e.g. the previous stage's <out_dir>/final)
     # the batch
@@ -158,12 +164,17 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
 
 
 def evaluate(engine: rollout.Engine, task: "Task", cfg: Config, step: int) -> dict:
-    """Held-out pass@1 and greedy accuracy (eval_aime.heldout_accuracy) of the engine's current weights."""
-    return eval_aime.heldout_accuracy(
+    """Held-out pass@1 and greedy accuracy (eval_aime.heldout_accuracy) of the engine's current weights; with
+    --reward FILE:FUNCTION also heldout_reward_errors, the held-out samples it failed on (scored 0)."""
+    figures = eval_aime.heldout_accuracy(
         engine, task.tok, task.heldout_prompts, [p.answer for p in task.heldout], task.reward_fn,
         cfg.run.eval_samples, [budget(cfg, p) for p in task.heldout_prompts], cfg.temperature,
         cfg.run.seed + step,  # fresh samples at every evaluation, the same ones at any world size
         cfg.tensor_parallel_size, _bars(cfg))
+    if isinstance(task.reward_fn, user_reward.Guarded):
+        failed = torch.tensor([float(task.reward_fn.take_failures())])
+        figures["heldout_reward_errors"] = int(distributed.all_reduce_sum(failed).item())
+    return figures
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -181,6 +192,7 @@ class Groups:
     zero_variance: int  # of those, groups whose rewards were all equal (no learning signal)
     rounds: int  # generation rounds (1 unless dynamic sampling drew more)
     first_group: int  # the step-wide index of this rank's first group (minibatches are made of whole groups)
+    reward_errors: int  # this step's samples a --reward FILE:FUNCTION failed on (scored 0)
 
 
 def collect_groups(engine, task: "Task", stream: data.PromptStream, cfg: Config, step: int, times: dict) -> Groups:
@@ -217,7 +229,8 @@ def collect_groups(engine, task: "Task", stream: data.PromptStream, cfg: Config,
     return Groups(prompts=[task.train_prompts[i] for i, _, _ in mine],
                   samples=[replace(s, prompt_idx=k) for k, (_, samples, _) in enumerate(mine) for s in samples],
                   rewards=torch.stack([rewards for _, _, rewards in mine]), drawn=drawn, zero_variance=zero_variance,
-                  rounds=rounds, first_group=distributed.rank() * per_rank)
+                  rounds=rounds, first_group=distributed.rank() * per_rank,
+                  reward_errors=task.reward_fn.take_failures() if isinstance(task.reward_fn, user_reward.Guarded) else 0)
 
 
 def rollout_round(engine, task: "Task", stream: data.PromptStream, cfg: Config, seed: int,
@@ -462,6 +475,7 @@ class StepSums:
     adv: float
     adv_sq: float
     entropy: float  # the policy's, over response tokens
+    reward_errors: float  # samples whose --reward failed (Groups.reward_errors)
 
 
 def step_metrics(step: int, groups: Groups, b: Batch, adv: torch.Tensor, upd: Update, sched, times: dict,
@@ -471,7 +485,7 @@ def step_metrics(step: int, groups: Groups, b: Batch, adv: torch.Tensor, upd: Up
     a = adv.flatten().double()
     here = StepSums(float(groups.rewards.sum()), groups.rewards.numel(), float(b.resp_mask.sum()),
                     float(b.truncated.sum()), groups.drawn, groups.zero_variance, float(a.sum()), float((a * a).sum()),
-                    upd.entropy)
+                    upd.entropy, groups.reward_errors)
     r, m, mm = distributed.sum_over_ranks(here, upd.loss, upd.mismatch)
     n_seq, n_tok, n_loss_tok = r.seqs, max(r.resp_tokens, 1.0), max(m.tokens, 1.0)
     adv_mean = r.adv / n_seq
@@ -484,7 +498,7 @@ def step_metrics(step: int, groups: Groups, b: Batch, adv: torch.Tensor, upd: Up
         truncated_frac=r.truncated / n_seq, is_oob_frac=m.is_oob / max(m.is_units, 1.0),
         zero_var_group_frac=r.zero_var_groups / r.groups, adv_mean=adv_mean, skipped_updates=upd.skipped,
         adv_std=max(r.adv_sq / n_seq - adv_mean**2, 0.0) ** 0.5, generation_rounds=groups.rounds,
-        lr=sched.get_last_lr()[0], peak_mem_gib=peak_mem_gib,
+        lr=sched.get_last_lr()[0], peak_mem_gib=peak_mem_gib, reward_errors=int(r.reward_errors),
         tokens_per_s=r.resp_tokens / max(sum(times.values()), 1e-9),  # generated tokens per second of steps 1-7
         **{f"time_{k}": v for k, v in times.items()},
     )
@@ -500,7 +514,7 @@ class Task:
 
     path: str  # the start weights (--init-from, or --model resolved)
     tok: object  # the model's tokenizer
-    reward_fn: object  # reward.exact_reward (sum3) or reward.math_reward
+    reward_fn: object  # reward.exact_reward (sum3), reward.math_reward, or --reward's user_reward.Guarded
     train: list[data.Problem]
     train_prompts: list[list[int]]  # token ids of each training prompt
     heldout: list[data.Problem]  # the first --eval-prompts held-out problems that fit
@@ -523,6 +537,8 @@ def load_task(cfg: Config) -> Task:
     train_set, train_prompts = encode_prompts(cfg, tok, train_set, template, "training")
     heldout, heldout_prompts = encode_prompts(cfg, tok, heldout[: cfg.eval_prompts], template, "held-out")
     reward_fn = reward.exact_reward if cfg.task == "sum3" else reward.math_reward
+    if cfg.reward:
+        reward_fn = user_reward.load(cfg.reward, cfg.reward_timeout_s)
     return Task(path, tok, reward_fn, train_set, train_prompts, heldout, heldout_prompts)
 
 
@@ -598,6 +614,7 @@ def validate(cfg: Config, world: int) -> None:
         (not cfg.init_from or os.path.isfile(os.path.join(cfg.init_from, "config.json")),
          f"--init-from {cfg.init_from}: not an HF checkpoint folder (no config.json)"),
         (cfg.task != "math" or bool(cfg.run.data), "--data: the math task needs a problem file or dataset name"),
+        *user_reward.checks(cfg.reward, cfg.reward_timeout_s),
         *runtime.run_checks(cfg.run),
     ])
 
