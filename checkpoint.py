@@ -182,7 +182,8 @@ def export_hf(argv: list[str], script: str) -> None:
     check([(why is None, f"{ckpt}: not a readable checkpoint ({why})"),
            (writable(out.parent), f"{out}: cannot be written")])
     meta = json.loads((ckpt / "meta.json").read_text())
-    run = meta["config"]["run"]  # the flags every run has (runtime.RunConfig)
+    # the flags every run has (runtime.RunConfig); checkpoints written before they were grouped kept them flat
+    run = meta["config"].get("run", meta["config"])
     path = meta["config"].get("init_from") or model.resolve(run["model"])  # GRPO's --init-from, else --model
     policy = model.load_trainable(path, torch.device("cpu"), False, run["trust_remote_code"])
     load(ckpt, policy, None)
