@@ -3,7 +3,8 @@
 What it does: loads problems (a local .jsonl/.json/.parquet, or an HF dataset name such as
 HuggingFaceH4/aime_2024 where there is network; field names are flags), builds DeepScaleR's prompt (chat
 template when the tokenizer has one), samples k responses per problem with the vLLM engine (DeepScaleR's protocol
-by default: k = 16, temperature 0.6, top_p 0.95, 32768 new tokens), scores each with reward.py, writes every sample
+by default: k = 16, temperature 0.6, top_p 0.95, 32768 new tokens), scores each with reward.py (or your own
+--reward path/to/file.py:function, guarded by user_reward.py), writes every sample
 to a JSONL (written aside and renamed, never half-written) and prints a table: correct/k per problem, pass@1 with a
 95% confidence interval, pass@k, mean response length and the fraction truncated.
 
