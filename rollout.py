@@ -72,8 +72,9 @@ class VLLMEngine:
     refit loads every weight anyway, so nothing needs to wait in host memory (level 1 would copy all of it out and
     back for nothing). The order is what keeps it correct: a sleeping engine refuses to generate, and load_weights
     wakes the weights' memory first and writes the new weights into it (vLLM's reload copies into the same
-    tensors, so the next sleep frees them again), then wakes the KV cache, then drops cached prefixes. vLLM has no sleep mode on CPU; there
-    sleep() does nothing. Alone (eval_aime.py) it takes most of the GPU and never sleeps.
+    tensors, so the next sleep frees them again), then wakes the KV cache, then drops cached prefixes. vLLM has
+    no sleep mode on CPU; there sleep() does nothing. Alone (eval_aime.py) it takes most of the GPU and never
+    sleeps.
 
     Its LM head runs in float32 (vLLM's `head_dtype` override), as the trainer's does (model.py): bf16 logits of
     20-30 carry errors of ~0.06 in a token's logprob, which the engine/trainer mismatch metrics would report as
