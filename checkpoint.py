@@ -1,14 +1,16 @@
 """Checkpoints: saving a step, resuming from the newest readable one, and HF folders for transformers and vLLM.
 
 What it does:
-- save_step / resume: a checkpoint holds everything a resumed run needs to continue exactly: the model and
-  optimizer shards (torch.distributed.checkpoint: each rank writes its own), and in one small file per rank what
+- save_step / resume: a checkpoint holds everything a resumed run needs to continue exactly: the shards of the
+  trainable parameters and their optimizer state (torch.distributed.checkpoint: each rank writes its own; with LoRA
+  only the adapters: the frozen base comes back from the model folder), and in one small file per rank what
   must come back exactly: the LR schedule, the data order and position, the torch RNG. It is written to a
   temporary folder and renamed into place only when complete, and only the newest --keep-checkpoints stay (write).
   resume picks the newest checkpoint that can be read and says, in one line, why it skipped any newer one
   (problem: cut short by a full disk, a partial copy; or a shard that holds more than tensors).
 - save_hf / export_hf: HF folders that transformers and vLLM load, from a live run (<out_dir>/final) or from any
-  saved step (`python train.py export CKPT OUT`, `python dpo.py export CKPT OUT`).
+  saved step (`python train.py export CKPT OUT`, `python dpo.py export CKPT OUT`); a LoRA run's holds the merged
+  weights, and the adapters alone in peft's format in its adapter/ subfolder.
 - Loading is safe with files from elsewhere: each rank's file is read with torch.load(..., weights_only=True), so a
   pickle that would run code is refused, and resume names it and uses the checkpoint before.
 
@@ -26,12 +28,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 import distributed
+import lora
 import model
-from checks import check, writable
+from checks import UserError, check, writable
+
+# what a checkpoint holds of the model: its trainable parameters (all of them, or LoRA's adapters)
+SAVED = StateDictOptions(ignore_frozen_params=True)
+# loading then leaves the frozen ones as the model folder gave them (loaded() checks that only they are missing)
+LOADED = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 def save_step(out: Path, step: int, policy, opt, sched, stream, meta: dict, keep: int) -> Path:
     """<out>/checkpoints/step_NNNNNN: all a resumed run needs: model and optimizer shards, and on every rank the
@@ -107,7 +115,7 @@ def write(folder: Path, step: int, policy, opt, meta: dict, rank_state: dict, ke
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     distributed.barrier()
-    model_sd, optim_sd = get_state_dict(policy, opt)
+    model_sd, optim_sd = get_state_dict(policy, opt, options=SAVED)
     with _single_process_is_meant():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not distributed.in_group())
     torch.save(rank_state, tmp / f"rank{distributed.rank()}.pt")
@@ -138,16 +146,17 @@ def _single_process_is_meant():
 def load(path: Path, policy, opt) -> tuple[dict, dict]:
     """Loads the shards into `policy` (and `opt`, unless None) in place; returns (meta, this rank's state)."""
     if opt is None:
-        state = {"model": get_model_state_dict(policy)}
+        state = {"model": get_model_state_dict(policy, options=SAVED)}
         with _single_process_is_meant():
             dcp.load(state, checkpoint_id=str(path), no_dist=not distributed.in_group())
-        set_model_state_dict(policy, state["model"])
+        loaded(set_model_state_dict(policy, state["model"], options=LOADED), policy)
     else:
-        model_sd, optim_sd = get_state_dict(policy, opt)
+        model_sd, optim_sd = get_state_dict(policy, opt, options=SAVED)
         state = {"model": model_sd, "optim": optim_sd}
         with _single_process_is_meant():
             dcp.load(state, checkpoint_id=str(path), no_dist=not distributed.in_group())
-        set_state_dict(policy, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        loaded(set_state_dict(policy, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                              options=LOADED), policy)
     meta = json.loads((Path(path) / "meta.json").read_text())
     # weights_only: tensors and plain Python types only; a pickle that would run code (a checkpoint from someone
     # else) is refused, and resume() names the checkpoint and skips it
@@ -158,15 +167,31 @@ def load(path: Path, policy, opt) -> tuple[dict, dict]:
                                      "refused: loading it could run code") from e
 
 
+def loaded(keys, policy) -> None:
+    """After a load of the trainable parameters (SAVED): the keys it left missing must all be frozen ones, or the
+    checkpoint is of another model (another --lora-rank, say); an unexpected key says the same."""
+    frozen = {n for n, p in policy.named_parameters() if not p.requires_grad}
+    stray = [k for k in keys.missing_keys if k not in frozen] + list(keys.unexpected_keys)
+    if stray:
+        raise UserError(f"the checkpoint does not fit this model ({stray[0]}): was it written with other flags "
+                        "(--lora-rank, --model)?")
+
+
 def save_hf(lm, tok, folder: Path) -> None:
-    """An HF checkpoint (config, safetensors, tokenizer) that transformers and vLLM load directly. A collective
-    under FSDP (every rank gathers, only rank 0 keeps a full copy); rank 0 writes it aside and renames it into
-    place, never half-written."""
-    state = distributed.full_state_dict(lm)
-    if distributed.is_main():
+    """An HF checkpoint (config, safetensors, tokenizer) that transformers and vLLM load directly; for a LoRA
+    policy the merged weights, and the adapters alone in peft's format in folder/adapter (lora.save_adapter). A
+    collective under FSDP (every rank gathers, only rank 0 keeps a full copy); rank 0 writes it aside and renames
+    it into place, never half-written."""
+    main = distributed.is_main()
+    state = {name: t.cpu() for name, t in model.hf_weights(lm) if main}
+    adapters = lora.adapter_state(lm) if lora.is_lora(lm) else None
+    if main:
         folder, tmp = Path(folder), Path(str(folder) + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        lm.save_pretrained(tmp, state_dict=state)
+        hf = lm.get_base_model() if adapters is not None else lm
+        hf.save_pretrained(tmp, state_dict=state)
+        if adapters is not None:
+            lora.save_adapter(lm, adapters, tmp / "adapter", base=hf.name_or_path)
         tok.save_pretrained(tmp)
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
@@ -185,7 +210,9 @@ def export_hf(argv: list[str], script: str) -> None:
     # the flags every run has (runtime.RunConfig); checkpoints written before they were grouped kept them flat
     run = meta["config"].get("run", meta["config"])
     path = meta["config"].get("init_from") or model.resolve(run["model"])  # GRPO's --init-from, else --model
-    policy = model.load_trainable(path, torch.device("cpu"), False, run["trust_remote_code"])
+    adapters = lora.Adapters(**{k: tuple(v) if isinstance(v, list) else v
+                                for k, v in meta["config"].get("lora", {}).items()})  # GRPO's --lora-*
+    policy = model.load_trainable(path, torch.device("cpu"), False, run["trust_remote_code"], adapters=adapters)
     load(ckpt, policy, None)
     save_hf(policy.lm, model.load_tokenizer(path, run["trust_remote_code"]), out)
     print(f"exported step {meta['step']} of {ckpt} to {out}")

@@ -6,8 +6,10 @@ What it does:
 - resolve: what a --model value names: a built-in base's name (`tiny`, `tiny-math`, `r1-shape`: bases.py builds it
   on first use into DEFAULT_CACHE), else the value itself; model_checks: what is wrong with a --model value, in
   one line, before anything loads.
-- load_trainable: the trainer's model: float32 master weights, wrapped to return logprobs (LogprobModel), sharded
-  over the ranks (distributed.shard).
+- load_trainable: the trainer's model: float32 master weights, with LoRA adapters on it for --lora-rank > 0
+  (lora.py), wrapped to return logprobs (LogprobModel), sharded over the ranks (distributed.shard).
+- hf_weights: the full weights of the model the policy is, under HF's names, as the engine's refit and an HF
+  export take them (with LoRA: base and adapters merged).
 - token_logprobs: log pi(y_t | y_<t) of the response tokens, chunked over tokens so that float32 logits over the
   vocabulary exist for at most `chunk_tokens` positions at a time, with or without grad.
 
@@ -23,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import bases
 import distributed
+import lora
 from checks import UserError
 
 # what this project builds or measures once per machine: the built-in bases, HFEngine's CPU decoding choice
@@ -73,13 +76,26 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, trust_remote_code:
 
 
 def load_trainable(path: str, device, checkpointing: bool, trust_remote_code: bool = False,
-                   dtype: torch.dtype = torch.float32) -> "LogprobModel":
-    """An HF model in float32 (the optimizer's master weights), wrapped to return logprobs, sharded over ranks.
+                   dtype: torch.dtype = torch.float32, adapters: lora.Adapters | None = None) -> "LogprobModel":
+    """An HF model in float32 (the optimizer's master weights), wrapped to return logprobs, sharded over ranks;
+    with `adapters` on (--lora-rank > 0) its weights are frozen and LoRA adapters are what trains (lora.wrap).
     The tests pass float64 to compare world sizes and micro-batchings without float32's summation-order noise.
     Loaded on the CPU and sharded before it reaches the device, so no GPU holds the whole float32 model
     (distributed.shard). bf16 compute is autocast's (runtime.autocast), the same at any world size."""
     lm = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    if adapters is not None and adapters.on:
+        lm = lora.wrap(lm, adapters)
     return distributed.shard(LogprobModel(lm), lm, checkpointing=checkpointing).to(device)
+
+
+def hf_weights(lm, dtype: torch.dtype | None = None):
+    """(HF name, full tensor) of every weight of the model `lm` computes, gathered from the shards in bounded
+    buckets (distributed.full_weights; a collective). Full fine-tuning: its parameters, cast to `dtype` before the
+    gather. LoRA (a peft model): W + (alpha / r) B @ A for each adapted layer, gathered in the trainer's precision
+    and cast after the merge (lora.merged)."""
+    if not lora.is_lora(lm):
+        return distributed.full_weights(lm, dtype)
+    return lora.merged(distributed.full_weights(lm), lora.scale_of(lm), dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

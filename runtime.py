@@ -159,9 +159,11 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
 
 
 def optimizer(policy, run: RunConfig):
-    """(AdamW over the policy's parameters, its LR schedule): warmup_factor, stepped once per training step whose
-    update ran (a step skipped for a non-finite gradient does not count), as NeMo-RL steps it once per GRPO step."""
-    opt = torch.optim.AdamW(policy.parameters(), lr=run.lr, weight_decay=run.weight_decay)
+    """(AdamW over the policy's trainable parameters, its LR schedule): warmup_factor, stepped once per training
+    step whose update ran (a step skipped for a non-finite gradient does not count), as NeMo-RL steps it once per
+    GRPO step."""
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
+    opt = torch.optim.AdamW(trainable, lr=run.lr, weight_decay=run.weight_decay)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_factor(s, run.warmup_steps))
 
 

@@ -32,6 +32,7 @@ import data
 import distributed
 import eval_aime
 import grpo
+import lora
 import model
 import reward
 import rollout
@@ -40,6 +41,7 @@ import tasks
 import user_reward
 from checkpoint import export_hf
 from checks import UserError, check, one_line_errors
+from lora import Adapters  # (the field `lora` of Config would hide the module's name in the class body)
 
 
 @dataclass
@@ -84,6 +86,7 @@ class Config:
     eval_prompts: int = 200  # held-out prompts evaluated
     detailed_progress: bool = False  # also bars for each step's rollout, training and evaluation (long GPU steps)
     loss: grpo.LossConfig = field(default_factory=grpo.LossConfig)
+    lora: Adapters = field(default_factory=Adapters)  # --lora-rank R > 0: train LoRA adapters (lora.py)
     run: runtime.RunConfig = field(default_factory=runtime.RunConfig)
 
 
@@ -130,10 +133,12 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     validate(cfg, world)  # bad flags stop the run here, before any model or engine loads
     device, bf16 = runtime.setup_process(cfg.run)
     task = load_task(cfg)  # and bad data here
-    policy = model.load_trainable(task.path, device, cfg.run.activation_checkpointing, cfg.run.trust_remote_code)
+    policy = model.load_trainable(task.path, device, cfg.run.activation_checkpointing, cfg.run.trust_remote_code,
+                                  adapters=cfg.lora)
     ref = None
-    if cfg.loss.kl_beta > 0:  # the frozen initial model, sharded like the policy, only when the KL term is on
-        ref = model.load_trainable(task.path, device, False, cfg.run.trust_remote_code).eval().requires_grad_(False)
+    if cfg.loss.kl_beta > 0:  # the frozen start model, only when the KL term is on: with LoRA the policy itself
+        ref = policy if cfg.lora.on else \
+            model.load_trainable(task.path, device, False, cfg.run.trust_remote_code).eval().requires_grad_(False)
     engine_dtype = torch.bfloat16 if bf16 else torch.float32
     own_engine = engine is None  # an engine the caller brought is the caller's to close
     engine = engine or make_engine(cfg, task.path, engine_dtype, device)
@@ -143,7 +148,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
                       show=dict(reward="reward_mean", heldout="heldout_pass1", mpe="token_mult_prob_error"),
                       sigint=__name__ == "__main__")  # only a command-line run owns the process's Ctrl-C
     if run.start:  # resumed: the engine samples from the resumed weights
-        engine.load_weights(distributed.full_weights(policy.lm, engine_dtype))
+        engine.load_weights(model.hf_weights(policy.lm, engine_dtype))
     for step in run.steps():
         times = {}
         groups = collect_groups(engine, task, stream, cfg, step, times)  # 1-3: prompts -> G responses -> rewards
@@ -158,7 +163,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
             upd = update_policy(policy, opt, sched, batch, cfg, device, groups.first_group)  # 6.
         peak_gib = runtime.peak_memory_gib(device, engine.device_bytes)
         with runtime.timed(times, "refit"):  # 7. the engine samples the next step from the new weights
-            engine.load_weights(distributed.full_weights(policy.lm, engine_dtype))
+            engine.load_weights(model.hf_weights(policy.lm, engine_dtype))
         run.end_step(step, step_metrics(step, groups, batch, adv, upd, sched, times, peak_gib))  # 8.
     return run.finish(task.tok, engine if own_engine else None)
 
@@ -386,6 +391,7 @@ def n_minibatches(cfg: Config) -> int:
 def old_logprobs(policy, ref, b: Batch, cfg: Config, device) -> Batch:
     """Step 5: b with the trainer's logprobs of the sampled tokens before the update (old_logp, [N, T]) and the
     frozen start model's (ref_logp, [N, T], for the KL term), each a no-grad pass over token-budget micro-batches.
+    With LoRA `ref` is the policy itself with its adapters switched off: the base, which is the start model.
 
     With one minibatch old_logp stays None and costs no pass: the policy has not moved before its only update, so
     the update's own forward, detached, gives the old logprobs (update_policy); the logged loss is then near 0
@@ -397,8 +403,11 @@ def old_logprobs(policy, ref, b: Batch, cfg: Config, device) -> Batch:
             out[mb.rows, : mb.T] = logprobs(m, mb.to(device), cfg, device, grad=False)[0].cpu()
         return out
 
-    return replace(b, old_logp=pass_over(policy) if n_minibatches(cfg) > 1 else None,
-                   ref_logp=pass_over(ref) if ref is not None else None)
+    old_logp = pass_over(policy) if n_minibatches(cfg) > 1 else None
+    if ref is None:
+        return replace(b, old_logp=old_logp)
+    with lora.adapters_off(ref.lm):  # a no-op for a frozen copy, which has no adapters
+        return replace(b, old_logp=old_logp, ref_logp=pass_over(ref))
 
 
 @dataclass
@@ -615,8 +624,11 @@ def validate(cfg: Config, world: int) -> None:
          f"--init-from {cfg.init_from}: not an HF checkpoint folder (no config.json)"),
         (cfg.task != "math" or bool(cfg.run.data), "--data: the math task needs a problem file or dataset name"),
         *user_reward.checks(cfg.reward, cfg.reward_timeout_s),
+        *lora.flag_checks(cfg.lora),
         *runtime.run_checks(cfg.run),
     ])
+    if cfg.lora.on:  # peft must be able to put the adapters on the model: read from its config, no weights load
+        lora.model_checks(cfg.lora, model_path(cfg), cfg.run.trust_remote_code)
 
 
 def main(argv: list[str]) -> None:
