@@ -22,6 +22,11 @@ in a fresh process), and `torchrun eval_aime.py` on it. It prints one table: eac
 peak resident memory (its process's, from the kernel), memory.py's estimate beside it, each step's phases, and the
 update's achieved FLOP/s against this CPU's own matmul peak, measured at the layer's shapes (see shape_main).
 
+`python bench.py lora` times the two ways a LoRA policy can reach the vLLM engine, step by step on the same prompts:
+streaming the merged weights W + (alpha / r) B A into it (what train.py does), or writing the adapters as peft's
+folder and handing vLLM a LoRARequest (its LoRA kernels then add B A x at every token); and the engine's logprobs
+against the trainer's for each (docs/engines.md).
+
 What it does not do: check anything (it reports numbers; the tests check behaviour), or (apart from the shape
 mode) run on several ranks. TRL is optional: `pip install trl==1.16.0` (or `make bench`); without it the TRL row
 is skipped with a note.
@@ -818,8 +823,89 @@ def shape_table(res: dict, cfg: ShapeConfig) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# `python bench.py lora`: merged weights into vLLM, or vLLM's own LoRA
+
+
+@dataclass
+class LoraBenchConfig:
+    model: Literal["tiny", "r1-shape"] = "tiny"  # a built-in base: the demo's, or the 1.5B shape (2 layers)
+    rank: int = 8  # LoRA's rank
+    steps: int = 5  # refits + rollouts timed each way (the first is reported apart: warm-up)
+    prompts: int = 64  # held-out sum3 prompts per rollout
+    samples: int = 8  # samples per prompt
+    max_tokens: int = 8
+
+
+def lora_main(cfg: LoraBenchConfig) -> None:
+    """One LoRA policy (random B, so that base + adapters != base); per step, each way: the refit's seconds (the
+    merged stream, or writing the adapter folder) and the rollout's; then the engine's logprobs against the
+    trainer's (mean abs difference over sampled tokens)."""
+    import lora
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
+    from test_rollout import trainer_logprobs
+
+    check([(cfg.rank >= 1, f"--rank {cfg.rank}: must be at least 1"), (cfg.steps >= 2, "--steps: at least 2")])
+    path = model.resolve(cfg.model)
+    torch.manual_seed(0)
+    policy = model.load_trainable(path, torch.device("cpu"), False, adapters=lora.Adapters(lora_rank=cfg.rank))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    prompts = [model.load_tokenizer(path)(p.prompt)["input_ids"] for p in tasks.sum3_split()[1][: cfg.prompts]]
+    sps = [SamplingParams(n=cfg.samples, max_tokens=cfg.max_tokens, logprobs=0, detokenize=False, seed=i)
+           for i in range(len(prompts))]
+    ask = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+    def diff(outs) -> float:
+        samples = [rollout.Sample(i, list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)],
+                                  False) for i, o in enumerate(outs) for c in o.outputs]
+        lp, gen, mask = trainer_logprobs(policy, prompts, samples)
+        return float(((lp - gen).abs() * mask).sum() / mask.sum())
+
+    kw = dict(model=path, dtype="float32", max_model_len=256, seed=0, enable_prefix_caching=False)
+    if not torch.cuda.is_available():
+        kw["enforce_eager"] = True
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for way in ("merged", "adapters"):
+            llm = LLM(**kw, **(dict(enable_lora=True, max_lora_rank=cfg.rank, max_loras=1) if way == "adapters" else {}))
+            times = []
+            for step in range(cfg.steps):
+                t = time.perf_counter()
+                if way == "merged":
+                    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(model.hf_weights(policy.lm))})
+                    llm.collective_rpc(rollout._retie_lm_head)
+                    llm.reset_prefix_cache()
+                    req = None
+                else:
+                    folder = Path(tmp) / f"step{step}"
+                    lora.save_adapter(policy.lm, lora.adapter_state(policy.lm), folder, base=path)
+                    req = LoRARequest(f"step{step}", step + 1, str(folder))
+                refit = time.perf_counter() - t
+                t = time.perf_counter()
+                outs = llm.generate(ask, sps, use_tqdm=False, lora_request=req)
+                times.append((refit, time.perf_counter() - t))
+            rows[way] = dict(times=times, diff=diff(outs))
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+    print(f"bench lora: {cfg.model}, rank {cfg.rank}, {cfg.prompts} prompts x {cfg.samples} samples x "
+          f"{cfg.max_tokens} tokens, float32, on {cpu_description()}; median over steps 2..{cfg.steps}\n")
+    print("| way | refit s | rollout s | step s | engine vs trainer logprobs (mean abs diff) |\n|---|---|---|---|---|")
+    for way, r in rows.items():
+        refit, roll = (statistics.median(x[k] for x in r["times"][1:]) for k in (0, 1))
+        print(f"| {way} | {refit:.3f} | {roll:.3f} | {refit + roll:.3f} | {r['diff']:.1e} |")
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["shape"]:
+    if sys.argv[1:2] == ["lora"]:
+        one_line_errors(lambda: lora_main(tyro.cli(LoraBenchConfig, args=sys.argv[2:], prog="bench.py lora")))
+    elif sys.argv[1:2] == ["shape"]:
         one_line_errors(lambda: shape_main(tyro.cli(ShapeConfig, args=sys.argv[2:], prog="bench.py shape")))
     else:
         one_line_errors(lambda: main(tyro.cli(BenchConfig)))

@@ -89,13 +89,16 @@ PRESETS = {  # name: (flags every variant of it adds, [(variant name, its flags)
     "overlong": ("", [("off", ""), ("overlong filter", "--overlong-filter")]),
     "dynamic": ("", [("off", ""), ("dynamic sampling", "--dynamic-sampling")]),
     "level": ("", [("token", ""), ("sequence", "--no-token-level")]),
+    # each at the best learning rate of a sweep on seeds 10-11 (docs/experiments.md, LoRA)
+    "lora": ("", [("full", "--lr 1e-4"), ("lora r1", "--lora-rank 1 --lr 2e-3"),
+                  ("lora r8", "--lora-rank 8 --lr 1e-3")]),
 }
 OWNED = ("--seed", "--out-dir", "--threads", "--quiet", "--resume", "--no-resume")  # the harness sets these
 
 
 @dataclass
 class ExpConfig:
-    preset: Literal["loss", "loo", "adv-scale", "overlong", "dynamic", "level"] = "loss"  # one of the docs' tables
+    preset: Literal["loss", "loo", "adv-scale", "overlong", "dynamic", "level", "lora"] = "loss"  # one of the docs' tables
     #   (ignored when --variant is given)
     variant: tuple[str, ...] = ()  # NAME=FLAGS, one per variant ("base=" for none); the first is the reference
     setup: Literal["demo", "recipe"] = "demo"  # the demo task (train.py's defaults, 60 steps) or a recipe stage

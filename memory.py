@@ -9,6 +9,9 @@ cache a rank's sequences need. While the trainer runs, the engine sleeps and hol
 `--device cpu` estimates a CPU run instead (float32 compute, each rank's engine holding float32 weights and
 VLLM_CPU_KVCACHE_SPACE of KV cache, and the process's own libraries), the case docs/distributed.md measures.
 The default config is DeepSeek-R1-Distill-Qwen-1.5B's (Qwen2, untied embeddings: 1.78B parameters).
+The frozen reference copy for the KL term is counted where the stage presets turn it on (16K and 24K).
+`--lora-rank R` estimates a LoRA run (train.py --lora-rank R, on every linear layer but the LM head): gradients
+and AdamW moments of the adapters only, and no reference copy (the base with adapters off is the reference).
 
 What it does not do: measure. These are estimates; docs/distributed.md puts measurements beside them.
 Activation bytes per token per layer (b bytes per compute value: 2 in bf16, 4 in float32; flash attention, so no
@@ -62,15 +65,24 @@ class Shape:
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         return 2 * self.layers * self.kv_dim * dtype_bytes  # K and V of every layer
 
+    def lora_params(self, rank: int) -> int:
+        """Adapter parameters on every linear layer but the LM head: r x (in + out) for each of q, k, v, o
+        (H -> H, H -> kv, H -> kv, H -> H) and gate, up, down (H -> I, H -> I, I -> H)."""
+        H, I, kv = self.hidden, self.intermediate, self.kv_dim
+        return rank * (9 * H + 2 * kv + 3 * I) * self.layers
+
 
 def estimate(s: Shape, tokens: int, ranks: int = 8, seqs_per_rank: int = 128, chunk_tokens: int = 1024,
              checkpointing: bool = True, micro_batches: int = 2, device: Literal["gpu", "cpu"] = "gpu",
              vllm_fraction: float | None = None, gpu_gib: float = GPU_GIB, kv_cache_gib: float = 1.0,
-             process_gib: float = 1.0) -> dict[str, float]:
+             process_gib: float = 1.0, lora_rank: int = 0, reference: bool | None = None) -> dict[str, float]:
     """GiB per rank, one micro-batch of `tokens` tokens. micro_batches: per minibatch on this rank (more than one:
-    the gradients accumulate unsharded until the minibatch's one reduction)."""
+    the gradients accumulate unsharded until the minibatch's one reduction). lora_rank > 0: LoRA adapters train,
+    the base is frozen. reference: whether the KL term is on (default: as the stage presets, beyond 8K tokens)."""
     layer, rest = s.params()
     P = layer * s.layers + rest
+    T = s.lora_params(lora_rank) if lora_rank else P  # what trains: gradients and AdamW moments exist for these
+    reference = tokens > 8192 if reference is None else reference
     b = 2 if device == "gpu" else 4  # compute bytes: autocast's bf16 on GPU, float32 on CPU
     H, I = s.hidden, s.intermediate
     act_layer = b * (4 * H + 2 * s.kv_dim) + b * (2 * H + 4 * I)  # bytes / token / layer
@@ -80,12 +92,16 @@ def estimate(s: Shape, tokens: int, ranks: int = 8, seqs_per_rank: int = 128, ch
         acts = (act_layer * s.layers + act_layer) * tokens
     rows = {
         "parameters (B)": P / 1e9,
-        "fp32 weights (sharded)": 4 * P / ranks / GiB,
-        "AdamW moments (sharded)": 8 * P / ranks / GiB,
-        "fp32 gradients (sharded)": 4 * P / ranks / GiB,
-        "fp32 gradients accumulating (unsharded)": (4 * P if micro_batches > 1 and ranks > 1 else 0) / GiB,
+        "trainable parameters (M)": T / 1e6,
+        "fp32 weights (sharded)": 4 * (P + (T if lora_rank else 0)) / ranks / GiB,
+        "AdamW moments (sharded)": 8 * T / ranks / GiB,
+        "fp32 gradients (sharded)": 4 * T / ranks / GiB,
+        "fp32 gradients accumulating (unsharded)": (4 * T if micro_batches > 1 and ranks > 1 else 0) / GiB,
+        # the frozen start model for the KL term; with LoRA the base with adapters off is that model: no copy
+        "reference copy for the KL term (fp32, sharded)": (4 * P / ranks if reference and not lora_rank else 0) / GiB,
         "fp32 gathered: root + 2 layers": (4 * (rest + 2 * layer) if ranks > 1 else 0) / GiB,
-        "root's full gradients in backward (embedding, head)": (4 * rest if ranks > 1 and micro_batches == 1 else 0) / GiB,
+        "root's full gradients in backward (embedding, head)":
+            (4 * rest if ranks > 1 and micro_batches == 1 and not lora_rank else 0) / GiB,
         # FSDP2 gathers a group into one flat buffer, then copies it out into the parameters (and reduces from one
         # flat copy of the gradients): for a moment the largest group, the root, exists twice
         "FSDP's flat gather / reduce buffer (the root's group)": (4 * rest if ranks > 1 else 0) / GiB,
@@ -106,11 +122,13 @@ def estimate(s: Shape, tokens: int, ranks: int = 8, seqs_per_rank: int = 128, ch
 
 
 TRAINING = ("fp32 weights (sharded)", "AdamW moments (sharded)", "fp32 gradients (sharded)",
-            "fp32 gradients accumulating (unsharded)", "fp32 gathered: root + 2 layers",
+            "fp32 gradients accumulating (unsharded)", "reference copy for the KL term (fp32, sharded)",
+            "fp32 gathered: root + 2 layers",
             "root's full gradients in backward (embedding, head)", "FSDP's flat gather / reduce buffer (the root's group)",
             "activations (one micro-batch)",
             "LM head: final hidden states (fp32)", "LM head: one chunk's logits, softmax and their gradients")
-RESIDENT = ("fp32 weights (sharded)", "AdamW moments (sharded)")  # what the trainer keeps while vLLM generates
+# what the trainer keeps while vLLM generates
+RESIDENT = ("fp32 weights (sharded)", "AdamW moments (sharded)", "reference copy for the KL term (fp32, sharded)")
 
 
 def totals(rows: dict[str, float]) -> dict[str, float]:
@@ -143,12 +161,14 @@ if __name__ == "__main__":
     def main(config: str = "", ranks: int = 8, seqs_per_rank: int = 128, chunk_tokens: int = 1024,
              checkpointing: bool = True, micro_batches: int = 2, device: Literal["gpu", "cpu"] = "gpu",
              vllm_fraction: float | None = None, gpu_gib: float = GPU_GIB, lengths: tuple[int, ...] = (8192, 16384, 24576),
-             kv_cache_gib: float = 1.0, process_gib: float = 1.0):
+             kv_cache_gib: float = 1.0, process_gib: float = 1.0, lora_rank: int = 0):
         """config: a local HF model folder (default: DeepSeek-R1-Distill-Qwen-1.5B's shape). vllm_fraction: vLLM's
-        GPU share (default: the stage preset's for 8K / 16K / 24K). micro_batches: per minibatch on one rank."""
+        GPU share (default: the stage preset's for 8K / 16K / 24K). micro_batches: per minibatch on one rank.
+        lora_rank: LoRA adapters of this rank on every linear layer but the LM head (0: full fine-tuning)."""
         s = Shape.from_config(config) if config else Shape()
         print(table(s, lengths, ranks=ranks, seqs_per_rank=seqs_per_rank, chunk_tokens=chunk_tokens,
                     checkpointing=checkpointing, micro_batches=micro_batches, device=device,
-                    vllm_fraction=vllm_fraction, gpu_gib=gpu_gib, kv_cache_gib=kv_cache_gib, process_gib=process_gib))
+                    vllm_fraction=vllm_fraction, gpu_gib=gpu_gib, kv_cache_gib=kv_cache_gib, process_gib=process_gib,
+                    lora_rank=lora_rank))
 
     tyro.cli(main)

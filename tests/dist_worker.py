@@ -1,7 +1,8 @@
 """Run under torchrun by tests/test_distributed.py: one job per invocation, results written as files.
 
-  update OUT MICRO_TOKENS MINIBATCHES LR OPT [PG]   one GRPO update (OPT adamw or sgd; PG ppo, gspo or cispo) on a
-                                                  fixed global batch, in float64; rank 0 saves the weights
+  update OUT MICRO_TOKENS MINIBATCHES LR OPT [PG [LORA_RANK]]   one GRPO update (OPT adamw or sgd; PG ppo, gspo or
+                            cispo; LoRA adapters of that rank, the KL reference then the base with adapters off) on
+                            a fixed global batch, in float64; rank 0 saves the weights
   refit  OUT TP             shard, change the weights, refit each rank's vLLM engine (TP-sharded when TP > 1),
                             compare its logprobs with the trainer's; record the held-out evaluation's samples of
                             four copies of one prompt, split over the engines
@@ -27,6 +28,7 @@ import checkpoint  # noqa: E402
 import distributed  # noqa: E402
 import eval_aime  # noqa: E402
 import grpo  # noqa: E402
+import lora  # noqa: E402
 import model  # noqa: E402
 import rollout  # noqa: E402
 import runtime  # noqa: E402
@@ -51,7 +53,8 @@ def fixed_global_batch(tok, P=8, G=4, seed=0):
     return prompts, samples, rewards
 
 
-def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: str, pg: str = "ppo"):
+def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: str, pg: str = "ppo",
+           lora_rank: int = 0):
     rank, world = distributed.init(120)
     path = model.resolve(bases.TINY)
     tok = model.load_tokenizer(path)
@@ -60,21 +63,33 @@ def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: 
     cfg = config(train.Config, prompts_per_step=P, group_size=G, minibatch_size=P * G // minibatches,
                  micro_batch_tokens=micro_tokens, lr=lr, eps_high=0.28, kl_beta=0.01,
                  grad_clip=1.0 if opt_name == "adamw" else 1e9,  # SGD unclipped: dw = -lr * the gradient itself
-                 pg=pg, token_level=pg != "gspo")  # GSPO is sequence-level
+                 pg=pg, token_level=pg != "gspo", lora_rank=lora_rank)  # GSPO is sequence-level
     share = range(rank * P // world, (rank + 1) * P // world)  # a prompt's G samples stay on one rank
     my_samples = [rollout.Sample(i - share.start, s.token_ids, s.logprobs, s.truncated)
                   for s in samples for i in [s.prompt_idx] if i in share]
     adv = grpo.group_advantages(rewards[list(share)])
     b = train.make_batch([prompts[i] for i in share], my_samples, adv.flatten(), False, tok.pad_token_id)
     b = replace(b, gen_logp=b.gen_logp.double(), advantages=b.advantages.double())  # float64 end to end
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # LoRA's A matrices: the same on every rank and at every world size
     cpu, f64 = torch.device("cpu"), torch.float64
-    policy = model.load_trainable(path, cpu, checkpointing=micro_tokens < 100, dtype=f64)
-    ref = model.load_trainable(path, cpu, checkpointing=False, dtype=f64).eval().requires_grad_(False)
+    policy = model.load_trainable(path, cpu, checkpointing=micro_tokens < 100, dtype=f64, adapters=cfg.lora)
+    if lora_rank:  # B = 0 would make the first step's gradient of A zero: start from adapters that do something
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for n, p in policy.named_parameters():
+                if ".lora_B." in n:
+                    full = torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05  # p.shape: the full shape
+                    (p.to_local() if isinstance(p, DTensor) else p).copy_(distribute_like(p, full))
+        start = distributed.full_state_dict(policy.lm)  # a collective; {} but on rank 0
+        if distributed.is_main():
+            torch.save({k: v.clone() for k, v in start.items() if ".lora_" in k}, f"{out}.start")
+    ref = policy if lora_rank else \
+        model.load_trainable(path, cpu, checkpointing=False, dtype=f64).eval().requires_grad_(False)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
     if opt_name == "adamw":
-        opt = torch.optim.AdamW(policy.parameters(), lr=cfg.run.lr, weight_decay=cfg.run.weight_decay)
+        opt = torch.optim.AdamW(trainable, lr=cfg.run.lr, weight_decay=cfg.run.weight_decay)
     else:
-        opt = torch.optim.SGD(policy.parameters(), lr=cfg.run.lr)
+        opt = torch.optim.SGD(trainable, lr=cfg.run.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     b = train.old_logprobs(policy, ref, b, cfg, cpu)  # step 5
     train.update_policy(policy, opt, sched, b, cfg, cpu, share.start)  # step 6
@@ -82,6 +97,15 @@ def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: 
     if distributed.is_main():
         torch.save({k: v.clone() for k, v in state.items()}, out)
     distributed.close()
+
+
+def distribute_like(p, full: torch.Tensor) -> torch.Tensor:
+    """`full` as this rank's shard of p (a DTensor under FSDP), or itself."""
+    if not isinstance(p, DTensor):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, p.device_mesh, p.placements).to_local()
 
 
 def refit(out: Path, tp: int):
@@ -150,5 +174,6 @@ def hang(out: Path):
 
 if __name__ == "__main__":
     job, out = sys.argv[1], Path(sys.argv[2])
-    {"update": lambda: update(out, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6], *sys.argv[7:8]), "refit": lambda: refit(out, int(sys.argv[3])), "die": lambda: die(out), "policy": lambda: policy(out),
+    {"update": lambda: update(out, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6],
+                              *sys.argv[7:8], *map(int, sys.argv[8:9])), "refit": lambda: refit(out, int(sys.argv[3])), "die": lambda: die(out), "policy": lambda: policy(out),
      "hang": lambda: hang(out)}[job]()

@@ -42,29 +42,43 @@ def same_update_tolerance(lr: float) -> float:
     return 1e-4 * lr
 
 
-@pytest.mark.parametrize("micro_tokens,minibatches,lr,opt,pg", [
+@pytest.mark.parametrize("micro_tokens,minibatches,lr,opt,pg,lora_rank", [
     # plain SGD without clipping moves each weight by -lr * its gradient, so a gradient off by a constant factor
     # (a wrong normalizer or rank scaling) shows; Adam and clipping would hide such a factor
-    (10_000, 1, 1.0, "sgd", "ppo"),  # one optimizer step, one micro-batch per rank
-    (12, 1, 1e-3, "adamw", "ppo"),  # one optimizer step over several micro-batches (and activation checkpointing)
-    (12, 2, 1e-4, "adamw", "ppo"),  # two minibatches: the second step sees ratios != 1 and KL != 0
+    (10_000, 1, 1.0, "sgd", "ppo", 0),  # one optimizer step, one micro-batch per rank
+    (12, 1, 1e-3, "adamw", "ppo", 0),  # one optimizer step over several micro-batches (and activation checkpointing)
+    (12, 2, 1e-4, "adamw", "ppo", 0),  # two minibatches: the second step sees ratios != 1 and KL != 0
     # GSPO (sequence ratio, sequence-level normalizer) and CISPO (stop-gradient weight) on the same two steps: the
     # second step's ratios != 1 exercise their clipping
-    (12, 2, 1e-4, "adamw", "gspo"),
-    (12, 2, 1e-4, "adamw", "cispo"),
-], ids=["sgd-one-micro-batch", "micro-batched", "two-minibatches", "two-minibatches-gspo", "two-minibatches-cispo"])
-def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens, minibatches, lr, opt, pg):
+    (12, 2, 1e-4, "adamw", "gspo", 0),
+    (12, 2, 1e-4, "adamw", "cispo", 0),
+    # LoRA: frozen base and trainable adapters in the same FSDP groups; the KL reference is the policy with its
+    # adapters off. SGD shows a gradient off by a factor; AdamW over two minibatches, the state of the adapters only
+    (12, 1, 1.0, "sgd", "ppo", 2),
+    (12, 2, 1e-3, "adamw", "ppo", 2),
+], ids=["sgd-one-micro-batch", "micro-batched", "two-minibatches", "two-minibatches-gspo", "two-minibatches-cispo",
+        "lora-sgd", "lora-two-minibatches"])
+def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens, minibatches, lr, opt, pg, lora_rank):
     results = {}
     for n in (1, 2):
-        r = torchrun(n, "update", tmp_path / f"w{n}.pt", micro_tokens, minibatches, lr, opt, pg)
+        r = torchrun(n, "update", tmp_path / f"w{n}.pt", micro_tokens, minibatches, lr, opt, pg, lora_rank)
         assert r.returncode == 0, r.stderr[-3000:]
         results[n] = torch.load(tmp_path / f"w{n}.pt")
+    assert results[2].keys() == results[1].keys()
     for k, w1 in results[1].items():
         assert (results[2][k] - w1).abs().max().item() <= same_update_tolerance(lr), k
     from transformers import AutoModelForCausalLM
 
     init = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
-    moved = max((results[1][k] - init[k]).abs().max().item() for k in results[1])
+    if lora_rank:  # the adapters moved (B from the worker's start, 0.05 * N(0, 1)); the base did not
+        start = torch.load(tmp_path / "w1.pt.start")
+        moved = max((results[1][k] - start[k]).abs().max().item() for k in start)
+        base = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v for k, v in results[1].items()
+                if ".lora_" not in k}
+        assert base.keys() == init.keys() - {"lm_head.weight"}  # tied to the embedding
+        assert all(torch.equal(v.float(), init[k]) for k, v in base.items())
+    else:
+        moved = max((results[1][k] - init[k]).abs().max().item() for k in results[1])
     assert moved > (0.5 * lr if opt == "adamw" else 1e-3)  # the update really changed the weights
 
 

@@ -236,3 +236,19 @@ def test_a_lora_export_is_the_merged_model_and_peft_adapters(lora_run, tmp_path,
                        env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert float(r.stdout.split("DIFF")[1]) < 1e-3
+
+
+def test_memory_counts_the_adapters_peft_makes():
+    # memory.py's LoRA rows count r x (in + out) per linear layer; peft's own count on the 1.5B shape (built empty,
+    # on the meta device) must agree, at two ranks
+    import memory
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = model.resolve("r1-shape")
+    for r in (1, 8):
+        with torch.device("meta"):
+            empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        peft_lm = get_peft_model(empty, lora._peft_config(lora.Adapters(lora_rank=r)))
+        trainable = sum(p.numel() for p in peft_lm.parameters() if p.requires_grad)
+        assert memory.Shape.from_config(path).lora_params(r) == trainable
