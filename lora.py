@@ -71,33 +71,33 @@ def _peft_config(a: Adapters):
                       task_type="CAUSAL_LM")
 
 
-def model_checks(a: Adapters, path: str, trust_remote_code: bool = False) -> None:
-    """Raises UserError, in one line, when peft cannot put these adapters on the model at `path`: a target module
-    it does not have, or a layer type peft cannot wrap. Only the config is read: the model is built empty, on the
-    meta device."""
+def model_checks(a: Adapters, path: str, trust_remote_code: bool = False, name: str = "") -> None:
+    """Raises UserError, in one line, when peft cannot put these adapters on the model at `path` (named `name` in
+    the message: the flag the user gave, e.g. "--model tiny"): a target module it does not have, or a layer type
+    peft cannot wrap. Only the config is read: the model is built empty, on the meta device."""
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         empty = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    targets = " ".join(a.lora_targets)
+    targets, name = " ".join(a.lora_targets), name or path
     names = [n for n, _ in empty.named_modules()]
     # peft matches a target by a module's name or its last parts; it only fails when none matches at all
     missing = [t for t in a.lora_targets if t != "all-linear" and not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in empty.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise UserError(f"--lora-targets {targets}: {path} has no module {missing[0]} (its linear layers: "
+        raise UserError(f"--lora-targets {targets}: {name} has no module {missing[0]} (its linear layers: "
                         f"{', '.join(linear)})")
     try:
         get_peft_model(empty, _peft_config(a))
     except ValueError as e:
         msg = str(e)
         if "is not supported" in msg:
-            raise UserError(f"--lora-targets {targets}: peft cannot put LoRA on {path}'s "
+            raise UserError(f"--lora-targets {targets}: peft cannot put LoRA on {name}'s "
                             f"{msg.split('Target module ')[-1].split(' is not supported')[0][:120]} "
                             "(it wraps Linear, Embedding, Conv and Conv1D layers)") from e
-        raise UserError(f"--lora-rank {a.lora_rank}: peft refused {path}: {msg.splitlines()[0][:200]}") from e
+        raise UserError(f"--lora-rank {a.lora_rank}: peft refused {name}: {msg.splitlines()[0][:200]}") from e
 
 
 def wrap(lm: torch.nn.Module, a: Adapters) -> torch.nn.Module:

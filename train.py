@@ -9,15 +9,15 @@ One GRPO step, as train() runs it (each a named call below, in this order):
     4. advantages from each group's rewards                                      grpo.group_advantages, make_batch
     5. the trainer's old (and reference) logprobs of the sampled tokens          old_logprobs
     6. per minibatch: loss -> backward over token-budget micro-batches -> clip -> AdamW     update_policy -> grpo.py
-    7. refit: the engine gets the new weights                                    rollout.Engine.load_weights
+    7. refit: the engine gets the new weights (LoRA: merged)                     rollout.Engine.load_weights
     8. metrics reduced over ranks, held-out evaluation, checkpoint               step_metrics, runtime.Run.end_step
 Each step writes one JSON line to <out_dir>/metrics.jsonl (logs.py); a run resumes from the newest readable
 checkpoint in <out_dir>/checkpoints; the final weights go to <out_dir>/final. Under torchrun the trainer is
 sharded with FSDP2 and each engine generates for its share of the prompts (distributed.py).
 
 What it does not do: anything the files it calls own. The math and the loss's options are in grpo.py, problems and
-prompts in data.py (the demo's task in tasks.py), the bookkeeping around the loop (flags every run has, resume,
-evaluation cadence, checkpoints, Ctrl-C) in runtime.py, which dpo.py's loop shares.
+prompts in data.py (the demo's task in tasks.py), LoRA's adapters in lora.py, the bookkeeping around the loop
+(flags every run has, resume, evaluation cadence, checkpoints, Ctrl-C) in runtime.py, which dpo.py's loop shares.
 """
 
 import os
@@ -46,9 +46,9 @@ from lora import Adapters  # (the field `lora` of Config would hide the module's
 
 @dataclass
 class Config:
-    """GRPO's flags. The options of its objective (`loss`: grpo.LossConfig) and the flags every training run has
-    (`run`: runtime.RunConfig) are dataclasses of their own; on the command line all flags are flat (--eps-high,
-    --lr), and `--help` lists them in three groups."""
+    """GRPO's flags. The options of its objective (`loss`: grpo.LossConfig), LoRA's (`lora`: lora.Adapters) and the
+    flags every training run has (`run`: runtime.RunConfig) are dataclasses of their own; on the command line all
+    flags are flat (--eps-high, --lora-rank, --lr), and `--help` lists them in four groups."""
 
     # the rollout engine
     engine: Literal["vllm", "hf"] = "vllm"  # rollout engine: colocated vLLM, or HF generate (no vLLM needed)
@@ -86,7 +86,7 @@ class Config:
     eval_prompts: int = 200  # held-out prompts evaluated
     detailed_progress: bool = False  # also bars for each step's rollout, training and evaluation (long GPU steps)
     loss: grpo.LossConfig = field(default_factory=grpo.LossConfig)
-    lora: Adapters = field(default_factory=Adapters)  # --lora-rank R > 0: train LoRA adapters (lora.py)
+    lora: Adapters = field(default_factory=Adapters)  # LoRA (lora.py): --lora-rank R > 0 trains adapters, not weights
     run: runtime.RunConfig = field(default_factory=runtime.RunConfig)
 
 
@@ -628,7 +628,8 @@ def validate(cfg: Config, world: int) -> None:
         *runtime.run_checks(cfg.run),
     ])
     if cfg.lora.on:  # peft must be able to put the adapters on the model: read from its config, no weights load
-        lora.model_checks(cfg.lora, model_path(cfg), cfg.run.trust_remote_code)
+        lora.model_checks(cfg.lora, model_path(cfg), cfg.run.trust_remote_code,
+                          f"--init-from {cfg.init_from}" if cfg.init_from else f"--model {cfg.run.model}")
 
 
 def main(argv: list[str]) -> None:
