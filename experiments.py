@@ -89,17 +89,20 @@ PRESETS = {  # name: (flags every variant of it adds, [(variant name, its flags)
     "overlong": ("", [("off", ""), ("overlong filter", "--overlong-filter")]),
     "dynamic": ("", [("off", ""), ("dynamic sampling", "--dynamic-sampling")]),
     "level": ("", [("token", ""), ("sequence", "--no-token-level")]),
-    # each at the best learning rate of a sweep on seeds 10-11 (docs/experiments.md, LoRA)
+    # each at the best learning rate of a sweep on seeds 10-11 (docs/experiments.md, LoRA): on the demo, and on the
+    # recipe's stage 2 (`--setup recipe --stage 2 --preset lora-recipe`), whose 4 AdamW steps per rollout want lower
     "lora": ("", [("full", "--lr 1e-4"), ("lora r1", "--lora-rank 1 --lr 2e-3"),
                   ("lora r8", "--lora-rank 8 --lr 1e-3")]),
+    "lora-recipe": ("", [("full", "--lr 3e-5"), ("lora r1", "--lora-rank 1 --lr 3e-4"),
+                         ("lora r8", "--lora-rank 8 --lr 1e-3")]),
 }
 OWNED = ("--seed", "--out-dir", "--threads", "--quiet", "--resume", "--no-resume")  # the harness sets these
 
 
 @dataclass
 class ExpConfig:
-    preset: Literal["loss", "loo", "adv-scale", "overlong", "dynamic", "level", "lora"] = "loss"  # one of the docs' tables
-    #   (ignored when --variant is given)
+    # one of the docs' tables (ignored when --variant is given); lora-recipe is meant for --setup recipe --stage 2
+    preset: Literal["loss", "loo", "adv-scale", "overlong", "dynamic", "level", "lora", "lora-recipe"] = "loss"
     variant: tuple[str, ...] = ()  # NAME=FLAGS, one per variant ("base=" for none); the first is the reference
     setup: Literal["demo", "recipe"] = "demo"  # the demo task (train.py's defaults, 60 steps) or a recipe stage
     recipe_dir: str = "runs/recipe"  # --setup recipe: the folder `make recipe` wrote (data/, s1/final, s2/final)

@@ -187,6 +187,7 @@ def same_files(a: Path, b: Path) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_numerics
 def test_a_killed_lora_run_resumes_to_the_same_end(lora_run, tmp_path):
     out = tmp_path / "killed"
@@ -210,6 +211,7 @@ def test_a_killed_lora_run_resumes_to_the_same_end(lora_run, tmp_path):
                       lora_run / "final" / "adapter" / "adapter_model.safetensors")
 
 
+@pytest.mark.slow
 def test_a_lora_export_is_the_merged_model_and_peft_adapters(lora_run, tmp_path, tiny_path):
     out = tmp_path / "exported"
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "export", str(lora_run / "checkpoints" / "step_000006"),
