@@ -89,8 +89,9 @@ PRESETS = {  # name: (flags every variant of it adds, [(variant name, its flags)
     "overlong": ("", [("off", ""), ("overlong filter", "--overlong-filter")]),
     "dynamic": ("", [("off", ""), ("dynamic sampling", "--dynamic-sampling")]),
     "level": ("", [("token", ""), ("sequence", "--no-token-level")]),
-    # each at the best learning rate of a sweep on seeds 10-11 (docs/experiments.md, LoRA): on the demo, and on the
-    # recipe's stage 2 (`--setup recipe --stage 2 --preset lora-recipe`), whose 4 AdamW steps per rollout want lower
+    # each at the best learning rate of a sweep on seeds 10-11 (docs/experiments.md, LoRA): on the demo, and on
+    # the recipe's stage 2 (`--setup recipe --stage 2 --preset lora-recipe`), whose 4 AdamW steps per rollout want
+    # lower rates
     "lora": ("", [("full", "--lr 1e-4"), ("lora r1", "--lora-rank 1 --lr 2e-3"),
                   ("lora r8", "--lora-rank 8 --lr 1e-3")]),
     "lora-recipe": ("", [("full", "--lr 3e-5"), ("lora r1", "--lora-rank 1 --lr 3e-4"),

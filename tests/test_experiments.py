@@ -133,8 +133,8 @@ def test_bad_flags_end_in_one_line_before_any_run(tmp_path):
 def test_every_preset_is_variants_train_py_accepts(tmp_path, tiny_path):
     # the docs' tables name these commands: each preset's variants pass train.py's own checks (LoRA's: peft on the
     # tiny base's config), each in a folder of its own, with the reference first
-    for name, (common, variants) in X.PRESETS.items():
-        out, _, planned, runs = X.plan(X.ExpConfig(preset=name, seeds=2, out=str(tmp_path / name)))
+    for name, (_, variants) in X.PRESETS.items():
+        _, _, planned, runs = X.plan(X.ExpConfig(preset=name, seeds=2, out=str(tmp_path / name)))
         assert planned == variants and [r.variant for r in runs[::2]] == [v for v, _ in variants], name
         assert len({r.folder for r in runs}) == 2 * len(variants), name
     assert not any(tmp_path.iterdir())  # planning starts nothing
