@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,8 @@ def test_every_preset_is_variants_train_py_accepts(tmp_path, tiny_path):
         assert planned == variants and [r.variant for r in runs[::2]] == [v for v, _ in variants], name
         assert len({r.folder for r in runs}) == 2 * len(variants), name
     assert not any(tmp_path.iterdir())  # planning starts nothing
+    # and --preset offers exactly these (its Literal is written out for --help, beside PRESETS)
+    assert set(typing.get_args(X.ExpConfig.__dataclass_fields__["preset"].type)) == set(X.PRESETS)
 
 
 def test_a_folder_of_another_set_up_is_refused(tmp_path):
