@@ -126,6 +126,7 @@ def test_hf_engine_samples_from_base_plus_adapters_after_a_refit(tiny_path, tok)
     assert mean_abs_diff(policy, engine, prompts, seed=1) < 1e-4
 
 
+@pytest.mark.cpu_numerics  # a float32 engine against the trainer's float32 (on a GPU the trainer computes in bf16)
 def test_a_lora_run_with_kl_loads_one_model_and_learns(vllm_engine, tmp_path, monkeypatch):
     loads = []
     real_load = model.load_model
