@@ -81,5 +81,15 @@ $(STAMP): $(REQ)
 	$(PY) -c "import torch, transformers, vllm; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
 	rm -f .venv/.installed-* && touch $@
 
+# The GPU check (gpu_check.sh): train, resume, export, eval and the fast tests on one GPU, one line per check. It
+# needs no .venv: on a lent machine it runs with that machine's python3 (PY=... to choose), and installs tyro and
+# math-verify from gpu-wheels/ when they are missing; `make gpu-wheels` downloads those (Python 3.12) beforehand.
+gpu-check:
+	bash gpu_check.sh
+
+gpu-wheels:
+	$(or $(wildcard $(PY)),$(PYTHON)) -m pip download -q -d gpu-wheels --python-version 3.12 --only-binary :all: \
+		tyro==1.0.17 math-verify==0.9.0
+
 clean:
 	rm -rf .venv runs
