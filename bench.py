@@ -842,6 +842,10 @@ def lora_main(cfg: LoraBenchConfig) -> None:
     merged stream, or writing the adapter folder) and the rollout's; then the engine's logprobs against the
     trainer's (mean abs difference over sampled tokens)."""
     import lora
+
+    # the engine core in this process, as rollout.VLLMEngine runs it: the merged way hands reload_weights a
+    # generator, which cannot be sent to an engine core in another process (not serializable)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.lora.request import LoRARequest
 

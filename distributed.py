@@ -29,7 +29,7 @@ import datetime
 import os
 from contextlib import contextmanager
 from dataclasses import fields
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -206,8 +206,14 @@ def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None,
     Every rank must consume the iterator completely and in the same order (each gather is a collective). `dtype`
     casts each shard before its gather: the engine's dtype travels, not the float32 master weights.
     """
+    return full_tensors(model.named_parameters(), dtype, bucket_bytes)
+
+
+def full_tensors(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
+                 bucket_bytes: int = 256 * 2**20) -> Iterator[tuple[str, torch.Tensor]]:
+    """full_weights for any (name, tensor or sharded DTensor) pairs, e.g. LoRA's merged shards (lora.merged)."""
     bucket, size = [], 0
-    for name, p in model.named_parameters():
+    for name, p in named:
         t = p.detach() if dtype is None else p.detach().to(dtype)
         nbytes = t.numel() * t.element_size()  # of the full tensor (a DTensor's numel is the full tensor's)
         if bucket and size + nbytes > bucket_bytes:

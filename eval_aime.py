@@ -56,6 +56,8 @@ class EvalConfig:
     tensor_parallel_size: int = 1  # vLLM tensor parallelism (GPUs per engine)
     gpu_memory_utilization: float = 0.9  # GPU memory share for vLLM's weights and KV cache (no trainer beside it)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # vLLM dtype (auto: bf16 on GPU, float32 on CPU)
+    # vllm, or HF generate (rollout.HFEngine: no vLLM needed; slow at scale, for small models and checks)
+    engine: Literal["vllm", "hf"] = "vllm"
     seed: int = 0  # sampling seed
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
 
@@ -140,6 +142,11 @@ def main(cfg: EvalConfig, engine=None) -> dict:
     groups = world // tp
     first, last = distributed.share(prompts, rank // tp, groups)
     own_engine = engine is None  # an engine the caller brought is the caller's to close
+    if engine is None and cfg.engine == "hf":
+        cuda = torch.cuda.is_available()
+        dtype = {"auto": torch.bfloat16 if cuda else torch.float32}.get(cfg.dtype) or getattr(torch, cfg.dtype)
+        engine = rollout.HFEngine(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+                                  device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
     engine = engine or rollout.VLLMEngine(path, max_model_len=max_len, seed=cfg.seed, dtype=cfg.dtype,
                                           gpu_memory_utilization=cfg.gpu_memory_utilization, colocated=False,
                                           tensor_parallel_size=tp, trust_remote_code=cfg.trust_remote_code,

@@ -9,13 +9,15 @@ difference to the first variant paired by seed (95% CI, p-value), the area under
 
 What it does:
 - Each run is `python train.py SET-UP BASE VARIANT --seed S --out-dir OUT/runs/FLAGS/seedS --threads T --quiet`
-  in a process of its own, --jobs at once (default: the cores / --threads). Run folders are named by their flags,
-  not by the variant's name, so two tables that share a variant (the defaults) share its runs.
+  in a process of its own, --jobs at once (default: the cores / --threads). On a machine with GPUs each run gets
+  one GPU of its own (CUDA_VISIBLE_DEVICES), so at most as many run at once as there are GPUs (train.py would
+  put every run on cuda:0 otherwise); `CUDA_VISIBLE_DEVICES= python experiments.py ...` runs them on the CPU.
+  Run folders are named by their flags, not by the variant's name, so two tables that share a variant (the defaults) share its runs.
 - It resumes: a run whose metrics.jsonl holds its last step's held-out row is finished and never rerun; a run cut
   short continues from its newest checkpoint (train.py's own --resume); OUT/setup.json keeps the set-up's flags,
   and a folder made by other flags is refused in one line rather than mixed in.
-- It writes OUT/NAME.md (the table, the command, the times, the CPU), OUT/NAME.png (each variant's mean held-out
-  curve with its 95% band), OUT/NAME.json (every run's figures and each variant's statistics); every run's
+- It writes OUT/NAME.md (the table, the command, the times, the CPU or the GPUs the runs used), OUT/NAME.png
+  (each variant's mean held-out curve with its 95% band), OUT/NAME.json (every run's figures and each variant's statistics); every run's
   metrics stay in OUT/runs/*/seed*/metrics.jsonl.
 - Statistics (numpy-free, scipy-free): Student's t with the regularized incomplete beta function (continued
   fraction); mean_ci, paired (a paired t-test over the seeds both variants finished), auc (trapezoids over the
@@ -25,7 +27,7 @@ What it does:
 
 What it does not do: choose the seeds' number for you (the table's CIs say whether it sufficed), correct for
 multiple comparisons (a table of k variants makes k-1 tests: read p near 0.05 with that in mind), or compare runs
-across machines (each table's runs are from one machine, whose CPU it names).
+across machines (each table's runs are from one machine, whose CPU or GPU it names).
 """
 
 import contextlib
@@ -113,7 +115,7 @@ class ExpConfig:
     seeds: int = 5  # seeds per variant: --first-seed, --first-seed + 1, ...
     first_seed: int = 0
     threads: int = 1  # torch threads per run
-    jobs: int = 0  # runs at once; 0 = the cores / --threads
+    jobs: int = 0  # runs at once; 0 = the cores / --threads (with GPUs: at most one run per GPU)
     out: str = ""  # the comparison's folder; default runs/exp/<setup> (runs/exp/recipe-s<stage>)
     name: str = ""  # file names of the table and PNG; default the preset's name, or "compare" with --variant
     dry_run: bool = False  # print the runs' commands and what is finished, run nothing
@@ -340,16 +342,32 @@ def attempts(run: Run) -> list[dict]:
 # Running
 
 
-def start(run: Run, threads: int) -> subprocess.Popen:
+def gpus() -> list[str]:
+    """The GPUs runs may use, as CUDA_VISIBLE_DEVICES names them; [] on a machine without (or with them hidden:
+    CUDA_VISIBLE_DEVICES= runs everything on the CPU)."""
+    import torch
+
+    n = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [d.strip() for d in visible.split(",")][:n] if visible else [str(i) for i in range(n)]
+
+
+def jobs_at_once(cfg: "ExpConfig") -> int:
+    """--jobs, else the cores / --threads; with GPUs, never more than one run per GPU."""
+    jobs = cfg.jobs or max(1, _cores() // cfg.threads)
+    return min(jobs, len(gpus())) if gpus() else jobs
+
+
+def start(run: Run, threads: int, gpu: str | None = None) -> subprocess.Popen:
     run.folder.mkdir(parents=True, exist_ok=True)
     (run.folder / "argv.json").write_text(json.dumps(run.argv))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})}
     log = open(run.folder / "log.txt", "a")
     # a session of its own: a Ctrl-C reaches the runs once, through the harness (two would abort them unsaved)
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *run.argv], stdout=log, stderr=subprocess.STDOUT,
                             env=env, start_new_session=True)
-    proc.t0 = time.time()
+    proc.t0, proc.gpu = time.time(), gpu
     return proc
 
 
@@ -366,16 +384,20 @@ def run_all(todo: list[Run], jobs: int, threads: int) -> list[Run]:
     """Run `todo`, `jobs` at once; the runs that failed. Ctrl-C: every run stops after its step with a checkpoint
     (train.py's own Ctrl-C) and this exits 130; a second Ctrl-C kills them."""
     pending, running, failed, done = list(todo), {}, [], 0
+    free = gpus()  # a run holds its GPU until it ends
     try:
         while pending or running:
             while pending and len(running) < jobs:
                 r = pending.pop(0)
-                running[start(r, threads)] = r
+                proc = start(r, threads, free.pop(0) if free else None)
+                running[proc] = r
             time.sleep(0.2)
             for proc, r in list(running.items()):
                 if proc.poll() is None:
                     continue
                 del running[proc]
+                if proc.gpu is not None:
+                    free.append(proc.gpu)
                 seconds = time.time() - proc.t0
                 with open(r.folder / "attempts.jsonl", "a") as f:
                     f.write(json.dumps({"seconds": seconds, "rc": proc.returncode, "threads": threads,
@@ -415,6 +437,15 @@ def cpu_name() -> str:
         pass
 
     return platform.processor() or platform.machine()
+
+
+def machine_name() -> str:
+    """What ran the runs, for the table: the GPUs (one run per GPU) where there are any, else the CPU."""
+    if gpus():
+        import torch
+
+        return f"{len(gpus())} x {torch.cuda.get_device_name(0)} (one run per GPU)"
+    return cpu_name()
 
 
 def figures(run: Run) -> dict:
@@ -510,7 +541,7 @@ def report(cfg: ExpConfig, out: Path, setup: str, variants, runs: list[Run], wal
     name = cfg.name or ("compare" if cfg.variant else cfg.preset)
     command = " ".join(["python experiments.py"] + [shlex.quote(a) for a in sys.argv[1:]])
     common = " ".join(x for x in (parse_variants(cfg)[0], cfg.base, f"--reward {cfg.reward}" if cfg.reward else "") if x)
-    jobs = cfg.jobs or max(1, _cores() // cfg.threads)
+    jobs = jobs_at_once(cfg)
     seeds = f"{cfg.first_seed}..{cfg.first_seed + cfg.seeds - 1}"
     text = "\n".join([
         table(stats), "",
@@ -521,17 +552,17 @@ def report(cfg: ExpConfig, out: Path, setup: str, variants, runs: list[Run], wal
         f"* marks a CI that excludes 0.",
         sessions_line(out / f"{name}.sessions.jsonl", dict(
             ran=ran, of=len(runs), unfinished=len(runs) - len(done), minutes=wall / 60, jobs=jobs, threads=cfg.threads,
-            cores=_cores(), cpu=cpu_name(), load_start=load[0], load_end=os.getloadavg()[0],
+            cores=_cores(), cpu=machine_name(), load_start=load[0], load_end=os.getloadavg()[0],
             at=time.strftime("%Y-%m-%d %H:%M"))),
     ]) + "\n"
     if any(s["reward_errors"] for s in stats):
         text += "Reward errors (samples scored 0): " + ", ".join(f"{s['variant']} {s['reward_errors']}"
                                                                 for s in stats) + ".\n"
     (out / f"{name}.md").write_text(text)
-    (out / f"{name}.json").write_text(json.dumps(dict(setup=setup, command=command, cpu=cpu_name(), runs=per_run,
+    (out / f"{name}.json").write_text(json.dumps(dict(setup=setup, command=command, cpu=machine_name(), runs=per_run,
                                                       variants=stats, wall_seconds=wall), indent=1))
     if done:
-        plot(out / f"{name}.png", variants, done, f"{command}   ({cpu_name()})")
+        plot(out / f"{name}.png", variants, done, f"{command}   ({machine_name()})")
     return text
 
 
@@ -545,7 +576,8 @@ def sessions_line(path: Path, this: dict) -> str:
     said = [f"{p['ran']} runs in {p['minutes']:.1f} min wall ({p['at']}, {p['jobs']} at once with {p['threads']} "
             f"torch thread{'s' if p['threads'] > 1 else ''} each, 1-minute load average {p['load_start']:.1f} at the "
             f"start and {p['load_end']:.1f} at the end)" for p in past]
-    return (f"Time: {'; then '.join(said) or 'no runs made yet'}; on {this['cores']} cores of {this['cpu']} (other "
+    where = this["cpu"] if gpus() else f"{this['cores']} cores of {this['cpu']}"
+    return (f"Time: {'; then '.join(said) or 'no runs made yet'}; on {where} (other "
             f"work on the machine, which the load average shows, lengthens the times). This invocation ran "
             f"{this['ran']} of {this['of']} runs; {this['unfinished']} are unfinished.")
 
@@ -558,7 +590,7 @@ def main(cfg: ExpConfig) -> int:
     t0, load = time.time(), os.getloadavg()
     out, setup, variants, runs = plan(cfg)
     check_folders(out, setup, runs)
-    jobs = cfg.jobs or max(1, _cores() // cfg.threads)
+    jobs = jobs_at_once(cfg)
     todo = [r for r in sorted(runs, key=lambda r: r.seed) if not finished(r)]  # seed by seed: early tables pair
     print(f"{len(runs)} runs ({len(variants)} variants x {cfg.seeds} seeds): {len(runs) - len(todo)} finished, "
           f"{len(todo)} to run, {jobs} at once, {cfg.threads} thread{'s' if cfg.threads > 1 else ''} each; in {out}",

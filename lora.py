@@ -10,15 +10,17 @@ full fine-tuning at about 10x full fine-tuning's learning rate (README: LoRA mea
 
 What it does:
 - Adapters: the three flags (train.Config holds them as `lora`); flag_checks and model_checks: one line for a
-  rank below 0, an alpha of 0, a target module the model lacks or a layer peft cannot wrap, found on an empty copy
-  of the model built from its config on the meta device (no weights load).
+  rank below 0, an alpha of 0, a target module the model lacks, an embedding or the LM head (not supported), or a
+  layer peft cannot wrap, found on an empty copy of the model built from its config on the meta device (no
+  weights load).
 - wrap: peft's LoRA on an HF model, before it is sharded (model.load_trainable): every parameter of the base
   frozen (requires_grad False), the adapters trainable, in the base's dtype.
 - adapters_off: the policy with its adapters switched off *is* the frozen base: the KL reference (--kl-beta > 0)
   without a second copy of the model.
-- merged: the HF-named weights of base + adapters, W + (alpha / r) B A per adapted layer, from the gathered
-  tensors, merged in the trainer's precision and then cast: what the engine samples from after each refit and
-  what an HF export holds (the engine gets plain weights: no LoRA kernels in vLLM, and either engine works).
+- merged: the HF-named weights of base + adapters, W + (alpha / r) B A per adapted layer, merged on the shards
+  in the trainer's precision, then cast and gathered (distributed.full_tensors): what the engine samples from
+  after each refit and what an HF export holds (the engine gets plain weights: no LoRA kernels in vLLM, and
+  either engine works).
 - adapter_state / save_adapter: the adapters alone, as peft's adapter folder (adapter_config.json,
   adapter_model.safetensors), which peft, transformers and vLLM load on top of the base.
 
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from checks import UserError
 
@@ -89,6 +91,18 @@ def model_checks(a: Adapters, path: str, trust_remote_code: bool = False, name: 
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in empty.named_modules() if isinstance(m, torch.nn.Linear)})
         raise UserError(f"--lora-targets {targets}: {name} has no module {missing[0]} (its linear layers: "
                         f"{', '.join(linear)})")
+    # peft wraps embeddings too, but neither the refit nor the trainer's head would see those adapters: merged knows
+    # lora_A / lora_B (an embedding's are lora_embedding_A / _B), and model.py's logprobs read the head's weight
+    # directly, past peft's wrapper (its adapters would get no gradient). Refused here, before anything loads.
+    head = empty.get_output_embeddings()
+    for t in a.lora_targets:
+        hit = [m for n, m in empty.named_modules() if n == t or n.endswith("." + t)]
+        if any(isinstance(m, torch.nn.Embedding) or m is head for m in hit):
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in empty.named_modules()
+                             if isinstance(m, torch.nn.Linear) and m is not head})
+            raise UserError(f"--lora-targets {targets}: {t} is {name}'s embedding or LM head, which LoRA here does not "
+                            f"adapt (the refit merges linear layers only, and the logprobs read the head's own "
+                            f"weight); choose among {', '.join(linear)}, or all-linear")
     try:
         get_peft_model(empty, _peft_config(a))
     except ValueError as e:
@@ -128,31 +142,41 @@ def adapters_off(lm: torch.nn.Module):
     return lm.disable_adapter() if is_lora(lm) else nullcontext()
 
 
-def merged(named: Iterable[tuple[str, torch.Tensor]], scale: float,
-           dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) of the model base + adapters is, from (peft name, full tensor) pairs in named_parameters
-    order: each adapted layer's weight becomes W + scale * B @ A, computed in the tensors' own precision, then
-    cast to `dtype` (so a bf16 engine gets the merged weight rounded once). peft lists a layer's base_layer
-    parameters, then lora_A, then lora_B: only one layer's W is held back at a time.
+def merged(named: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of the model base + adapters is, from (peft name, tensor) pairs in named_parameters order:
+    each adapted layer's weight becomes W + scale * B @ A, in the tensors' own precision (float32: the trainer's),
+    on FSDP's shards where they are sharded. The caller casts and gathers (distributed.full_tensors), so a bf16
+    engine's refit moves bf16 bytes, as the full-weight refit does, and gets the merged weight rounded once.
+    peft lists a layer's base_layer parameters, then lora_A, then lora_B: only one layer's W is held back at a time.
+
+    On shards: W [out, in] and B [out, r] are split by rows alike (FSDP2 shards dim 0), so each rank's rows of the
+    merged weight are its rows of W plus its rows of B times the whole of A (gathered: r x in, small).
 
     Example: model.layers.0.mlp.up_proj.{base_layer.weight, lora_A.default.weight, lora_B.default.weight}
              -> model.layers.0.mlp.up_proj.weight = W + scale * B @ A"""
-    cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))  # noqa: E731
     held: dict[str, torch.Tensor] = {}
     for name, t in named:
-        name = name.removeprefix(PEFT_PREFIX)
+        name, t = name.removeprefix(PEFT_PREFIX), t.detach()
         if name.endswith(".base_layer.weight"):
             held[name.removesuffix(".base_layer.weight")] = t
         elif ".lora_A." in name:
-            held[name.split(".lora_A.")[0] + ".A"] = t
+            held[name.split(".lora_A.")[0] + ".A"] = _whole(t)
         elif ".lora_B." in name:
             layer = name.split(".lora_B.")[0]
             W, A = held.pop(layer), held.pop(layer + ".A")
-            yield layer + ".weight", cast(W + scale * (t @ A))  # [out, r] @ [r, in]
+            yield layer + ".weight", W + scale * (t @ A)  # [out, r] @ [r, in], a rank's rows of it under FSDP
         else:
-            yield name.replace(".base_layer.", "."), cast(t)  # a bias, or a layer without adapters
+            yield name.replace(".base_layer.", "."), t  # a bias, or a layer without adapters
     if held:
         raise RuntimeError(f"LoRA layers without both adapters: {sorted(held)[:3]}")
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded DTensor replicated on every rank (still a DTensor, so that it multiplies other shards); a plain
+    tensor as it is."""
+    if isinstance(t, DTensor):
+        return t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)
+    return t
 
 
 def adapter_state(lm: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -91,11 +91,11 @@ def load_trainable(path: str, device, checkpointing: bool, trust_remote_code: bo
 def hf_weights(lm, dtype: torch.dtype | None = None):
     """(HF name, full tensor) of every weight of the model `lm` computes, gathered from the shards in bounded
     buckets (distributed.full_weights; a collective). Full fine-tuning: its parameters, cast to `dtype` before the
-    gather. LoRA (a peft model): W + (alpha / r) B @ A for each adapted layer, gathered in the trainer's precision
-    and cast after the merge (lora.merged)."""
+    gather. LoRA (a peft model): W + (alpha / r) B @ A for each adapted layer, merged on the shards in the
+    trainer's precision (lora.merged), then cast to `dtype` and gathered like the full-weight path's tensors."""
     if not lora.is_lora(lm):
         return distributed.full_weights(lm, dtype)
-    return lora.merged(distributed.full_weights(lm), lora.scale_of(lm), dtype)
+    return distributed.full_tensors(lora.merged(lm.named_parameters(), lora.scale_of(lm)), dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -96,6 +96,10 @@ def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: 
     state = distributed.full_state_dict(policy.lm)
     if distributed.is_main():
         torch.save({k: v.clone() for k, v in state.items()}, out)
+    if lora_rank:  # the refit's merged weights, merged on the shards and cast before the gather (a collective)
+        merged = {n: t.cpu() for n, t in model.hf_weights(policy.lm, torch.float32)}
+        if distributed.is_main():
+            torch.save(merged, f"{out}.merged")
     distributed.close()
 
 

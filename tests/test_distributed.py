@@ -77,6 +77,19 @@ def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens
                 if ".lora_" not in k}
         assert base.keys() == init.keys() - {"lm_head.weight"}  # tied to the embedding
         assert all(torch.equal(v.float(), init[k]) for k, v in base.items())
+        # the refit's merged weights (float32, cast on the shards): the same at both world sizes, W + scale * B A
+        merged = {n: torch.load(tmp_path / f"w{n}.pt.merged") for n in (1, 2)}
+        assert merged[1].keys() == merged[2].keys() == base.keys()
+        assert all(t.dtype == torch.float32 for t in merged[2].values())
+        p = {k.removeprefix("base_model.model."): v for k, v in results[2].items()}
+        for k, t in merged[2].items():
+            layer = k.removesuffix(".weight")
+            want = p.get(f"{layer}.base_layer.weight", p.get(k, p.get(k.replace(".bias", ".base_layer.bias"))))
+            if f"{layer}.lora_A.default.weight" in p:
+                A, B = p[f"{layer}.lora_A.default.weight"], p[f"{layer}.lora_B.default.weight"]
+                want = want + (32.0 / lora_rank) * B @ A
+            assert (t.double() - want).abs().max().item() < 1e-6, k
+            assert (t - merged[1][k]).abs().max().item() < 1e-6, k
     else:
         moved = max((results[1][k] - init[k]).abs().max().item() for k in results[1])
     assert moved > (0.5 * lr if opt == "adamw" else 1e-3)  # the update really changed the weights

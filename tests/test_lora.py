@@ -89,8 +89,9 @@ def test_merged_weights_are_w_plus_scaled_b_a_in_float64(tiny_path):
         else:
             want = params.get(name, params.get(name.replace(".bias", ".base_layer.bias")))
         assert (t.double() - want).abs().max().item() < 1e-6, name
-    # a bf16 engine gets each merged weight rounded once
-    assert all(t.dtype == torch.bfloat16 for _, t in model.hf_weights(policy.lm, torch.bfloat16))
+    # a bf16 engine gets each merged weight rounded once: the float32 merge, cast
+    bf16 = dict(model.hf_weights(policy.lm, torch.bfloat16))
+    assert all(t.dtype == torch.bfloat16 and t.equal(got[n].to(torch.bfloat16)) for n, t in bf16.items())
 
 
 def test_kl_reference_is_the_base_with_adapters_off(tiny_path, tok):
@@ -126,6 +127,7 @@ def test_hf_engine_samples_from_base_plus_adapters_after_a_refit(tiny_path, tok)
     assert mean_abs_diff(policy, engine, prompts, seed=1) < 1e-4
 
 
+@pytest.mark.cpu_numerics  # a float32 engine against the trainer's float32 (on a GPU the trainer computes in bf16)
 def test_a_lora_run_with_kl_loads_one_model_and_learns(vllm_engine, tmp_path, monkeypatch):
     loads = []
     real_load = model.load_model
@@ -144,7 +146,9 @@ def test_a_lora_run_with_kl_loads_one_model_and_learns(vllm_engine, tmp_path, mo
     (dict(lora_rank=4, lora_alpha=0.0), "--lora-alpha 0.0"),
     (dict(lora_rank=4, lora_targets=("q_proj", "qkv_proj")), "--lora-targets q_proj qkv_proj: "),
     (dict(lora_rank=4, lora_targets=("norm",)), "peft cannot put LoRA on"),
-], ids=["negative-rank", "zero-alpha", "missing-module", "unwrappable-layer"])
+    (dict(lora_rank=4, lora_targets=("q_proj", "embed_tokens")), "embed_tokens is --model tiny's embedding"),
+    (dict(lora_rank=4, lora_targets=("lm_head",)), "lm_head is --model tiny's embedding or LM head"),
+], ids=["negative-rank", "zero-alpha", "missing-module", "unwrappable-layer", "embedding", "lm-head"])
 def test_bad_lora_flags_fail_with_one_line_before_any_model_loads(flags, needle, monkeypatch, tmp_path, tiny_path):
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the config was validated")
