@@ -47,9 +47,11 @@ def backend(cuda: bool) -> str:
 
 
 def init(timeout_s: int = 1800) -> tuple[int, int]:
-    """(rank, world_size); starts the process group when launched by torchrun (see backend)."""
+    """(rank, world_size); starts the process group when launched by torchrun (see backend), even for one process:
+    `torchrun --nproc_per_node 1` then runs the multi-rank path (the group, FSDP2, distributed checkpoints) on one
+    device, which is how a one-GPU machine checks it. A plain `python train.py` starts none."""
     global _OURS, _RANK, _WORLD
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if "TORCHELASTIC_RUN_ID" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return 0, 1
     if not dist.is_initialized():
         cuda = torch.cuda.is_available()

@@ -150,7 +150,7 @@ def main(cfg: EvalConfig, engine=None) -> dict:
     engine = engine or rollout.VLLMEngine(path, max_model_len=max_len, seed=cfg.seed, dtype=cfg.dtype,
                                           gpu_memory_utilization=cfg.gpu_memory_utilization, colocated=False,
                                           tensor_parallel_size=tp, trust_remote_code=cfg.trust_remote_code,
-                                          external_launcher=world > 1)
+                                          external_launcher=distributed.in_group())
     samples = engine.generate(prompts[first:last], n=cfg.k, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p, seed=cfg.seed, first_index=first)
     score = {"math": reward.math_reward, "exact": reward.exact_reward}.get(cfg.reward) \

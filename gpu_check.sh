@@ -14,8 +14,9 @@
 #   export   train.py export of the step-6 checkpoint: an HF folder
 #   eval     eval_aime.py on the export (four sum problems, k = 2), with the same engine
 #   tests    the suite's tests that need neither vLLM nor torchrun's two ranks: pytest -m "not slow"
-# What it does not check: two ranks (the gloo+nccl group and FSDP2 start at world size 2: distributed.init leaves
-# one rank alone, since vLLM brings its own world-size-1 group), or anything at the 1.5B scale.
+#   Under torchrun even one process starts the process group (gloo for CPU tensors, nccl for CUDA ones) and trains
+#   through FSDP2 and distributed checkpoints, as each of eight ranks would.
+# What it does not check: collectives between two or more GPUs, or anything at the 1.5B scale.
 set -uo pipefail
 cd "$(dirname "$0")"
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}

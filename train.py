@@ -583,7 +583,7 @@ def make_engine(cfg: Config, path: str, dtype: torch.dtype, device) -> rollout.E
     tp = cfg.tensor_parallel_size
     return rollout.VLLMEngine(path, max_model_len=cfg.max_seq_len,
                               seed=cfg.run.seed + distributed.rank() // tp,  # each engine its own stream
-                              dtype=str(dtype).removeprefix("torch."), external_launcher=distributed.world_size() > 1,
+                              dtype=str(dtype).removeprefix("torch."), external_launcher=distributed.in_group(),
                               gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=tp,
                               trust_remote_code=cfg.run.trust_remote_code)
 
