@@ -124,6 +124,8 @@ def validate(cfg: EvalConfig, world: int) -> None:
         (cfg.reward in ("math", "exact") or ":" in cfg.reward,
          f"--reward {cfg.reward}: use math, exact, or your own path/to/file.py:function"),
         *(user_reward.checks(cfg.reward, cfg.reward_timeout_s) if cfg.reward not in ("math", "exact") else []),
+        (cfg.answer == "boxed" or cfg.reward == "math",
+         f"--answer {cfg.answer}: chooses how --reward math reads an answer (not --reward {cfg.reward})"),
         (cfg.k >= 1, f"--k {cfg.k}: must be at least 1"),
         (cfg.temperature >= 0, f"--temperature {cfg.temperature}: must be 0 (greedy) or positive"),
         (0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"),

@@ -628,6 +628,8 @@ def validate(cfg: Config, world: int) -> None:
         (not cfg.init_from or os.path.isfile(os.path.join(cfg.init_from, "config.json")),
          f"--init-from {cfg.init_from}: not an HF checkpoint folder (no config.json)"),
         (cfg.task != "math" or bool(cfg.run.data), "--data: the math task needs a problem file or dataset name"),
+        (cfg.answer == "boxed" or (cfg.task == "math" and not cfg.reward),
+         f"--answer {cfg.answer}: chooses how the math task's reward reads an answer (--task math, no --reward)"),
         *user_reward.checks(cfg.reward, cfg.reward_timeout_s),
         *lora.flag_checks(cfg.lora),
         *runtime.run_checks(cfg.run),
