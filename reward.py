@@ -8,9 +8,9 @@ What it does:
 - math_reward(..., answer="last-number") (`--answer last-number`): the same reward for a model too small to
   follow the instruction to box its answer. The final answer is the last non-empty \\boxed{} as above, else the
   last number of the response (after `</think>`), and math-verify checks it the same way. Why: SmolLM2-135M
-  answers "What is 84 + 50?" in prose ("84 + 50 = 134."), boxes almost nothing, and writes an empty \\boxed{} in
-  about one response of seven (tests/fixtures/smollm2_add.jsonl holds real ones); under the boxed rule all of that
-  scores 0 and GRPO has no signal. The number is the last one written, so "134 - 50 = 84" answers 84, not 134:
+  answers "What is 84 + 50?" in prose ("84 + 50 = 134."), boxes almost nothing, and often writes an empty
+  \\boxed{} (docs/math.md has the counts; tests/fixtures/smollm2_add.json holds real responses); under the boxed
+  rule all of that scores 0 and GRPO has no signal. The number is the last one written, so "134 - 50 = 84" answers 84, not 134:
   no guess at which number was meant.
 
 What it does not do: format rewards, partial credit, or any evaluation of model output as code. math-verify has
