@@ -10,8 +10,8 @@ What it does:
   last number of the response (after `</think>`), and math-verify checks it the same way. Why: SmolLM2-135M
   answers "What is 84 + 50?" in prose ("84 + 50 = 134."), boxes almost nothing, and often writes an empty
   \\boxed{} (docs/math.md has the counts; tests/fixtures/smollm2_add.json holds real responses); under the boxed
-  rule all of that scores 0 and GRPO has no signal. The number is the last one written, so "134 - 50 = 84" answers 84, not 134:
-  no guess at which number was meant.
+  rule all of that scores 0 and GRPO has no signal. The number is the last one written, so "134 - 50 = 84"
+  answers 84, not 134: no guess at which number was meant.
 
 What it does not do: format rewards, partial credit, or any evaluation of model output as code. math-verify has
 two parsers: LaTeX (an ANTLR grammar that builds sympy objects) and "expr", which calls sympy's parse_expr, an
