@@ -306,8 +306,8 @@ def plan(cfg: ExpConfig) -> tuple[Path, str, list[tuple[str, str]], list[Run]]:
     extra = (["--model", cfg.model] if cfg.model else []) + shlex.split(cfg.base) + \
         (["--reward", cfg.reward] if cfg.reward else [])
     base = shlex.split(common) + extra
-    out = Path(cfg.out or {"demo": "runs/exp/demo", "smollm2": "runs/exp/smollm2"}.get(cfg.setup,
-                                                                                      f"runs/exp/recipe-s{cfg.stage}"))
+    default_out = {"demo": "runs/exp/demo", "smollm2": "runs/exp/smollm2"}.get(cfg.setup, f"runs/exp/recipe-s{cfg.stage}")
+    out = Path(cfg.out or default_out)
     problem = train_error(shlex.split(setup) + extra + ["--out-dir", str(out / "runs" / "x")])
     if problem and any(w in problem for w in extra if w.startswith("--")):  # the set-up's own flags, as given
         fail(problem)
