@@ -19,6 +19,7 @@ What it does not do: train, or score any other way than reward.py does.
     torchrun --nproc_per_node 8 eval_aime.py --model runs/<run>/final --data aime24.jsonl
 """
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -47,6 +48,9 @@ class EvalConfig:
     prompt_template: str = ""  # a text file with {problem}, used instead of the chat template + instruction
     reward: str = "math"  # math: last \boxed{} checked by math-verify; exact: the whole response equals the answer;
     #   path/to/file.py:function: your own (response, gold) -> float, guarded as in train.py (user_reward.py)
+    # --reward math: the final answer is the last \boxed{} (boxed: DeepScaleR's), or that when it is there and not
+    # empty, else the response's last number (last-number: for models too small to box their answers, reward.py)
+    answer: Literal["boxed", "last-number"] = "boxed"
     reward_timeout_s: float = 1.0  # --reward FILE:FUNCTION: a call running longer scores 0
     k: int = 16  # samples per problem
     temperature: float = 0.6  # sampling temperature
@@ -86,7 +90,8 @@ def heldout_accuracy(engine, tok, prompts: list[list[int]], answers: list[str], 
                      max_tokens: int | list[int], temperature: float, seed: int, tp: int = 1,
                      progress: bool = False) -> dict:
     """The held-out figures a training run logs (GRPO and DPO): heldout_pass1 = mean reward over k samples per
-    prompt at `temperature`, heldout_greedy = mean reward of one greedy response per prompt. Each engine (rank, or
+    prompt at `temperature`, with its 95% CI over prompts as summarize() gives it (heldout_pass1_ci95_low, _high),
+    heldout_greedy = mean reward of one greedy response per prompt. Each engine (rank, or
     group of `tp` tensor-parallel ranks sending identical requests) takes its share; a collective. Each prompt's
     samples come from streams of its own, seeded by its index in `prompts`: independent across ranks, and the
     same figures at any world size. max_tokens: one limit, or one per prompt."""
@@ -98,9 +103,20 @@ def heldout_accuracy(engine, tok, prompts: list[list[int]], answers: list[str], 
     greedy = engine.generate(mine, n=1, max_tokens=caps, temperature=0.0, seed=seed, first_index=first)
     s, g = ([reward_fn(tok.decode(x.token_ids, skip_special_tokens=True), gold[x.prompt_idx]) for x in samples]
             for samples in (sampled, greedy))
+    per_prompt = [0.0] * len(mine)  # each prompt's pass rate over its k samples
+    for x, r in zip(sampled, s):
+        per_prompt[x.prompt_idx] += r / k
     counted = float(distributed.rank() % tp == 0)
-    tot = distributed.all_reduce_sum(counted * torch.tensor([sum(s), len(s), sum(g), len(g)], dtype=torch.float64)).tolist()
-    return {"heldout_pass1": tot[0] / tot[1], "heldout_greedy": tot[2] / tot[3]} if tot[1] else {}
+    tot = distributed.all_reduce_sum(counted * torch.tensor(
+        [sum(s), len(s), sum(g), len(g), sum(per_prompt), sum(p * p for p in per_prompt), len(per_prompt)],
+        dtype=torch.float64)).tolist()
+    if not tot[1]:
+        return {}
+    # the 95% CI of pass@1 as summarize() gives it: normal approximation over prompts
+    n, mean = tot[6], tot[4] / tot[6]
+    half = 1.96 * math.sqrt(max(tot[5] - n * mean * mean, 0.0) / max(n - 1, 1) / n)
+    return {"heldout_pass1": tot[0] / tot[1], "heldout_pass1_ci95_low": mean - half,
+            "heldout_pass1_ci95_high": mean + half, "heldout_greedy": tot[2] / tot[3]}
 
 
 def validate(cfg: EvalConfig, world: int) -> None:
@@ -110,6 +126,8 @@ def validate(cfg: EvalConfig, world: int) -> None:
         (cfg.reward in ("math", "exact") or ":" in cfg.reward,
          f"--reward {cfg.reward}: use math, exact, or your own path/to/file.py:function"),
         *(user_reward.checks(cfg.reward, cfg.reward_timeout_s) if cfg.reward not in ("math", "exact") else []),
+        (cfg.answer == "boxed" or cfg.reward == "math",
+         f"--answer {cfg.answer}: chooses how --reward math reads an answer (not --reward {cfg.reward})"),
         (cfg.k >= 1, f"--k {cfg.k}: must be at least 1"),
         (cfg.temperature >= 0, f"--temperature {cfg.temperature}: must be 0 (greedy) or positive"),
         (0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"),
@@ -153,7 +171,8 @@ def main(cfg: EvalConfig, engine=None) -> dict:
                                           external_launcher=distributed.in_group())
     samples = engine.generate(prompts[first:last], n=cfg.k, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p, seed=cfg.seed, first_index=first)
-    score = {"math": reward.math_reward, "exact": reward.exact_reward}.get(cfg.reward) \
+    score = {"math": functools.partial(reward.math_reward, answer=cfg.answer),
+             "exact": reward.exact_reward}.get(cfg.reward) \
         or user_reward.load(cfg.reward, cfg.reward_timeout_s)
     rows = []
     for s in samples:

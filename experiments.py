@@ -6,6 +6,8 @@ difference to the first variant paired by seed (95% CI, p-value), the area under
     python experiments.py --preset adv-scale                # another of the docs' tables
     python experiments.py --variant "base=" "mine=--lr 1e-4 --leave-one-out" --seeds 5
     python experiments.py --setup recipe --stage 2 --preset loo   # a stage of `make recipe`, from its checkpoint
+    python experiments.py --setup smollm2 --preset kl --seeds 3   # the real model (`make smollm2`), KL or not
+    python experiments.py --model smollm2 --variant "base=" "loo=--leave-one-out"   # any set-up, another model
 
 What it does:
 - Each run is `python train.py SET-UP BASE VARIANT --seed S --out-dir OUT/runs/FLAGS/seedS --threads T --quiet`
@@ -53,6 +55,7 @@ from matplotlib.figure import Figure  # a figure of its own, drawn to a file: no
 import bases
 import logs
 import model
+import tasks
 import train
 from checks import UserError, one_line_errors
 
@@ -79,6 +82,17 @@ def recipe_setup(folder: str, stage: int) -> str:
             "--checkpoint-every 20 --keep-checkpoints 1 --no-save-final --no-plot")
 
 
+# The real model's set-up: `make smollm2`'s flags (the Makefile's SMOLLM2 line: SmolLM2-135M-Instruct on two-digit
+# additions, the math reward with --answer last-number, 8 prompts x 8 samples, lr 1e-5, held-out 64 problems x 4
+# samples before and after), 8 steps instead of 12 so that a comparison over seeds fits on 2 cores; no checkpoints
+# (a run cut short starts again) and no final weights. docs/experiments.md has its table.
+def smollm2_setup(folder: str) -> str:
+    return (f"--model smollm2 --task math --answer last-number --data {folder}/data/train.jsonl "
+            f"--val-data {folder}/data/heldout.jsonl --prompts-per-step 8 --group-size 8 --max-new-tokens 96 "
+            f"--max-seq-len 160 --lr 1e-5 --micro-batch-tokens 1024 --steps 8 --eval-every 8 --eval-prompts 64 "
+            f"--eval-samples 4 --checkpoint-every 0 --no-save-final --no-plot")
+
+
 # Several AdamW steps per rollout, so that the policy has moved when a minibatch is trained on: ratios leave 1 and
 # the four losses give different updates (docs/experiments.md says how this set-up was chosen).
 OFF_POLICY = "--minibatch-size 64"
@@ -98,6 +112,8 @@ PRESETS = {  # name: (flags every variant of it adds, [(variant name, its flags)
                   ("lora r8", "--lora-rank 8 --lr 1e-3")]),
     "lora-recipe": ("", [("full", "--lr 3e-5"), ("lora r1", "--lora-rank 1 --lr 3e-4"),
                          ("lora r8", "--lora-rank 8 --lr 1e-3")]),
+    # the KL term to the start model at DeepScaleR stage 2's beta, against none (stage 1's); meant for --setup smollm2
+    "kl": ("", [("no KL", ""), ("KL 1e-3", "--kl-beta 1e-3")]),
 }
 OWNED = ("--seed", "--out-dir", "--threads", "--quiet", "--resume", "--no-resume")  # the harness sets these
 
@@ -105,11 +121,15 @@ OWNED = ("--seed", "--out-dir", "--threads", "--quiet", "--resume", "--no-resume
 @dataclass
 class ExpConfig:
     # one of the docs' tables (ignored when --variant is given); lora-recipe is meant for --setup recipe --stage 2
-    preset: Literal["loss", "loo", "adv-scale", "overlong", "dynamic", "level", "lora", "lora-recipe"] = "loss"
+    preset: Literal["loss", "loo", "adv-scale", "overlong", "dynamic", "level", "lora", "lora-recipe", "kl"] = "loss"
     variant: tuple[str, ...] = ()  # NAME=FLAGS, one per variant ("base=" for none); the first is the reference
-    setup: Literal["demo", "recipe"] = "demo"  # the demo task (train.py's defaults, 60 steps) or a recipe stage
+    # the demo task (train.py's defaults, 60 steps), a recipe stage, or the real model's (`make smollm2`, shortened)
+    setup: Literal["demo", "recipe", "smollm2"] = "demo"
     recipe_dir: str = "runs/recipe"  # --setup recipe: the folder `make recipe` wrote (data/, s1/final, s2/final)
     stage: Literal[1, 2, 3] = 2  # --setup recipe: the stage, started from the previous stage's final weights
+    smollm2_dir: str = "runs/smollm2"  # --setup smollm2: its problem files are <dir>/data/*.jsonl, written if absent
+    # every run's --model (after the set-up's): an HF folder, a hub name, or a built-in base (tiny, smollm2, ...)
+    model: str = ""
     base: str = ""  # train.py flags for every run, after the set-up's (e.g. "--steps 60 --lr 1e-4")
     reward: str = ""  # your own reward for every run: path/to/file.py:function (train.py --reward)
     seeds: int = 5  # seeds per variant: --first-seed, --first-seed + 1, ...
@@ -260,6 +280,11 @@ def train_error(argv: list[str]) -> str | None:
 def setup_flags(cfg: ExpConfig) -> str:
     if cfg.setup == "demo":
         return DEMO
+    if cfg.setup == "smollm2":
+        data = Path(cfg.smollm2_dir) / "data"
+        if not (data / "train.jsonl").exists() or not (data / "heldout.jsonl").exists():
+            tasks.write_problems(str(data), *tasks.add_split(), "two-digit addition")  # `python tasks.py add DIR`
+        return smollm2_setup(cfg.smollm2_dir)
     d = cfg.recipe_dir
     need = Path(d) / "data" / "train.jsonl" if cfg.stage == 1 else Path(d) / f"s{cfg.stage - 1}" / "final"
     if not need.exists():
@@ -280,9 +305,11 @@ def plan(cfg: ExpConfig) -> tuple[Path, str, list[tuple[str, str]], list[Run]]:
     if len(set(names)) < len(names):
         fail(f"--variant: names must differ ({', '.join(names)})")
     setup = setup_flags(cfg)
-    base = shlex.split(common) + shlex.split(cfg.base) + (["--reward", cfg.reward] if cfg.reward else [])
-    out = Path(cfg.out or ("runs/exp/demo" if cfg.setup == "demo" else f"runs/exp/recipe-s{cfg.stage}"))
-    extra = shlex.split(cfg.base) + (["--reward", cfg.reward] if cfg.reward else [])
+    extra = (["--model", cfg.model] if cfg.model else []) + shlex.split(cfg.base) + \
+        (["--reward", cfg.reward] if cfg.reward else [])
+    base = shlex.split(common) + extra
+    default_out = {"demo": "runs/exp/demo", "smollm2": "runs/exp/smollm2"}.get(cfg.setup, f"runs/exp/recipe-s{cfg.stage}")
+    out = Path(cfg.out or default_out)
     problem = train_error(shlex.split(setup) + extra + ["--out-dir", str(out / "runs" / "x")])
     if problem and any(w in problem for w in extra if w.startswith("--")):  # the set-up's own flags, as given
         fail(problem)
@@ -540,7 +567,8 @@ def report(cfg: ExpConfig, out: Path, setup: str, variants, runs: list[Run], wal
     stats = statistics(variants, per_run)
     name = cfg.name or ("compare" if cfg.variant else cfg.preset)
     command = " ".join(["python experiments.py"] + [shlex.quote(a) for a in sys.argv[1:]])
-    common = " ".join(x for x in (parse_variants(cfg)[0], cfg.base, f"--reward {cfg.reward}" if cfg.reward else "") if x)
+    common = " ".join(x for x in (parse_variants(cfg)[0], f"--model {cfg.model}" if cfg.model else "", cfg.base,
+                                  f"--reward {cfg.reward}" if cfg.reward else "") if x)
     jobs = jobs_at_once(cfg)
     seeds = f"{cfg.first_seed}..{cfg.first_seed + cfg.seeds - 1}"
     text = "\n".join([

@@ -3,7 +3,8 @@
 What it does: RunLog appends one JSON line per step to <run>/metrics.jsonl (and mirrors the numbers to TensorBoard
 or W&B when asked; both are optional installs); on resume it keeps the lines up to the checkpoint's step, so the
 file reads as one uninterrupted run. plot() draws the curves that matter (reward, held-out accuracy, response
-length, KL, clip fraction, step time) from any run folder: `python logs.py runs/<run>` writes runs/<run>/curves.png.
+length, KL, clip fraction, step time) from any run folder: `python logs.py runs/<run>` writes runs/<run>/curves.png
+and prints the held-out evaluations as a table (heldout_table).
 
 What it does not do: compute metrics (train.py and dpo.py do), decide when to log (runtime.Run does), or report the
 miniature recipe's stages (recipe.py).
@@ -106,6 +107,18 @@ def save_png(fig: Figure, out: Path) -> Path:
     return out
 
 
+def heldout_table(rows: list[dict]) -> str:
+    """The run's held-out evaluations as a table: step, pass@1 with its 95% CI (when logged), greedy, minutes in."""
+    lines = ["| step | held-out pass@1 (95% CI) | held-out greedy | minutes |", "|---|---|---|---|"]
+    for r in rows:
+        if "heldout_pass1" in r:
+            ci = f" ({r['heldout_pass1_ci95_low']:.3f} to {r['heldout_pass1_ci95_high']:.3f})" \
+                if "heldout_pass1_ci95_low" in r else ""
+            lines.append(f"| {r['step']} | {r['heldout_pass1']:.3f}{ci} | {r.get('heldout_greedy', float('nan')):.3f} "
+                         f"| {r.get('elapsed', 0.0) / 60:.1f} |")
+    return "\n".join(lines) if len(lines) > 2 else "no held-out evaluations in this run"
+
+
 def main(argv: list[str]) -> None:
     check([(len(argv) == 1, "usage: python logs.py RUN_FOLDER")])
     run = Path(argv[0])
@@ -113,6 +126,7 @@ def main(argv: list[str]) -> None:
            (bool(read_rows(run / "metrics.jsonl")), f"{run}: no metrics.jsonl with a readable row"),
            (writable(run), f"{run}: cannot be written (the PNG goes there)")])
     print(plot(run))
+    print(heldout_table(read_rows(run / "metrics.jsonl")))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,13 @@ What it does:
 - math_reward: competition math. The final answer is the content of the last \\boxed{...} (nested braces,
   `\\boxed 7` and `\\fbox{...}` too), looked for after `</think>` when the response has one; it is checked with
   math-verify, gold first (verify(gold, prediction) is not symmetric).
+- math_reward(..., answer="last-number") (`--answer last-number`): the same reward for a model too small to
+  follow the instruction to box its answer. The final answer is the last non-empty \\boxed{} as above, else the
+  last number of the response (after `</think>`), and math-verify checks it the same way. Why: SmolLM2-135M
+  answers "What is 84 + 50?" in prose ("84 + 50 = 134."), boxes almost nothing, and often writes an empty
+  \\boxed{} (docs/math.md has the counts; tests/fixtures/smollm2_add.json holds real responses); under the boxed
+  rule all of that scores 0 and GRPO has no signal. The number is the last one written, so "134 - 50 = 84"
+  answers 84, not 134: no guess at which number was meant.
 
 What it does not do: format rewards, partial credit, or any evaluation of model output as code. math-verify has
 two parsers: LaTeX (an ANTLR grammar that builds sympy objects) and "expr", which calls sympy's parse_expr, an
@@ -17,6 +24,11 @@ import re
 MAX_RESPONSE_CHARS = 20_000  # only the tail can hold the final answer; bounding it bounds the regex work
 MAX_ANSWER_CHARS = 500  # a boxed "answer" longer than this is not an answer
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*")
+# a number as prose writes it: sign, digits (thousands separated by commas), decimals; "1,000" is 1000, while in
+# "3, 4" the comma separates two numbers; a minus right after a digit, letter or ")" is subtraction ("84-50" ends
+# in 50, not -50)
+_NUMBER = re.compile(r"(?:(?<![\w)])-)?\d{1,100}(?:,\d{3}(?!\d))*(?:\.\d+)?")
+ANSWERS = ("boxed", "last-number")  # math_reward's ways to find the final answer (--answer)
 # Answers whose value sympy would spend seconds or forever computing: power towers (a^{b^c}, a^b^c), factorials
 # of big numbers, exponents of 7+ digits, and numbers with hundreds of digits. No competition answer looks like this; they score 0.
 _EXPLOSIVE = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\w+\s*\^|\^\s*\{?\s*\d{7,}|\d{3,}\s*!|!\s*!|\d{300,}")
@@ -49,15 +61,31 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def math_reward(response: str, gold: str, timeout_s: int = 1) -> float:
+def last_number(text: str) -> str | None:
+    """The last number of the text after any `</think>` ("84 + 50 = 134." -> "134"; "1,234.5" -> "1234.5")."""
+    text = text[-MAX_RESPONSE_CHARS:].rsplit("</think>", 1)[-1]
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def final_answer(response: str, answer: str = "boxed") -> str | None:
+    """The response's final answer: the last \\boxed{}'s content (answer="boxed"), or with "last-number" that,
+    when it is there and not empty, else the response's last number."""
+    boxed = last_boxed(response)
+    if answer == "last-number" and not boxed:
+        return last_number(response)
+    return boxed
+
+
+def math_reward(response: str, gold: str, timeout_s: int = 1, answer: str = "boxed") -> float:
     try:
         from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-        answer = last_boxed(response)
-        if not answer or _EXPLOSIVE.search(answer):
+        final = final_answer(response, answer)
+        if not final or _EXPLOSIVE.search(final):
             return 0.0
         latex_only = [LatexExtractionConfig(boxed_match_priority=0)]
-        pred = parse(f"\\boxed{{{answer}}}", extraction_config=latex_only, parsing_timeout=timeout_s)
+        pred = parse(f"\\boxed{{{final}}}", extraction_config=latex_only, parsing_timeout=timeout_s)
         gold_parsed = parse(f"\\boxed{{{gold}}}", extraction_config=latex_only + [ExprExtractionConfig()],
                             parsing_timeout=timeout_s)  # the gold answer is trusted data, not model output
         if not pred or not gold_parsed:

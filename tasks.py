@@ -9,6 +9,9 @@ What it does:
   DIR/train.jsonl and DIR/heldout.jsonl (the files train.py --task math and eval_aime.py read); sums_corpus, the
   pretraining corpus of the `tiny-math` base, and the tokenizer's scaffolding (sums_scaffold_texts,
   SUMS_ADDED_TOKENS).
+- two-digit additions for the real model (`--model smollm2`, `make smollm2`): add_split, "What is 84 + 50?" ->
+  "134"; `python tasks.py add DIR` writes them the same way. SmolLM2-135M-Instruct answers a few of them right
+  and seldom in \boxed{} (docs/smollm2.md): a task on which GRPO visibly learns in minutes on a CPU.
 
 What it does not do: anything a run on real data needs (data.py), score (reward.py), or build the bases (bases.py).
 
@@ -164,23 +167,37 @@ def sums_scaffold_texts() -> list[str]:
 SUMS_ADDED_TOKENS = ["<|user|>", "<|assistant|>", "<think>", "</think>", INSTRUCTION]  # whole-string tokens
 
 
-def write_sums(folder: str) -> None:
+# ----------------------------------------------------------------------------------------------------------------
+# Two-digit additions: the real model's task
+
+
+def add_split(n_heldout: int = 200, seed: int = 2024) -> tuple[list[Problem], list[Problem]]:
+    """All 8,100 problems "What is a + b?" (a, b in 10..99), shuffled with a fixed seed: (train, held-out)."""
+    problems = [Problem(f"What is {a} + {b}?", str(a + b)) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(problems)
+    return problems[n_heldout:], problems[:n_heldout]
+
+
+def write_problems(folder: str, train: list[Problem], heldout: list[Problem], what: str) -> None:
     """DIR/train.jsonl (RL training problems) and DIR/heldout.jsonl (held-out problems), fields problem / answer;
     written aside and renamed, so a file is whole or absent."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    train, heldout, _ = sums_split()
     for name, problems in (("train.jsonl", train), ("heldout.jsonl", heldout)):
         tmp = out / (name + ".tmp")
         tmp.write_text("".join(json.dumps({"problem": p.prompt, "answer": p.answer}) + "\n" for p in problems))
         tmp.replace(out / name)
-    print(f"wrote {len(train)} training and {len(heldout)} held-out chain-sum problems to {out}")
+    print(f"wrote {len(train)} training and {len(heldout)} held-out {what} problems to {out}")
+
+
+TASKS = {"sums": (lambda: sums_split()[:2], "chain-sum"), "add": (add_split, "two-digit addition")}
 
 
 def main(argv: list[str]) -> None:
-    check([(argv[:1] == ["sums"] and len(argv) == 2,
-            "usage: python tasks.py sums DIR   (writes DIR/train.jsonl and DIR/heldout.jsonl)")])
-    write_sums(argv[1])
+    check([(len(argv) == 2 and argv[0] in TASKS,
+            "usage: python tasks.py sums|add DIR   (writes DIR/train.jsonl and DIR/heldout.jsonl)")])
+    split, what = TASKS[argv[0]]
+    write_problems(argv[1], *split(), what)
 
 
 if __name__ == "__main__":

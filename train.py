@@ -20,6 +20,7 @@ prompts in data.py (the demo's task in tasks.py), LoRA's adapters in lora.py, th
 (flags every run has, resume, evaluation cadence, checkpoints, Ctrl-C) in runtime.py, which dpo.py's loop shares.
 """
 
+import functools
 import os
 import sys
 from dataclasses import dataclass, field, fields, replace
@@ -61,6 +62,9 @@ class Config:
     problem_field: str = "problem"  # math: field of the problem text (DeepScaleR-Preview: problem)
     answer_field: str = "answer"  # math: field of the gold answer (DeepScaleR-Preview: answer)
     prompt_template: str = ""  # a text file with {problem}, used instead of the chat template + instruction
+    # math: the response's final answer is its last \boxed{} (boxed: DeepScaleR's), or that when it is there and not
+    # empty, else its last number (last-number: for models too small to box their answers, reward.py)
+    answer: Literal["boxed", "last-number"] = "boxed"
     # your own reward, path/to/file.py:function, a (response, gold) -> float used instead of the task's for training
     # and held-out figures; a call that raises, hangs or returns a non-number scores 0 and is counted
     # (reward_errors) and warned about (user_reward.py; my_reward.py is an example)
@@ -523,7 +527,7 @@ class Task:
 
     path: str  # the start weights (--init-from, or --model resolved)
     tok: object  # the model's tokenizer
-    reward_fn: object  # reward.exact_reward (sum3), reward.math_reward, or --reward's user_reward.Guarded
+    reward_fn: object  # reward.exact_reward (sum3), reward.math_reward (--answer), or --reward's user_reward.Guarded
     train: list[data.Problem]
     train_prompts: list[list[int]]  # token ids of each training prompt
     heldout: list[data.Problem]  # the first --eval-prompts held-out problems that fit
@@ -545,7 +549,8 @@ def load_task(cfg: Config) -> Task:
     tok = model.load_tokenizer(path, cfg.run.trust_remote_code)
     train_set, train_prompts = encode_prompts(cfg, tok, train_set, template, "training")
     heldout, heldout_prompts = encode_prompts(cfg, tok, heldout[: cfg.eval_prompts], template, "held-out")
-    reward_fn = reward.exact_reward if cfg.task == "sum3" else reward.math_reward
+    reward_fn = reward.exact_reward if cfg.task == "sum3" else functools.partial(reward.math_reward,
+                                                                                answer=cfg.answer)
     if cfg.reward:
         reward_fn = user_reward.load(cfg.reward, cfg.reward_timeout_s)
     return Task(path, tok, reward_fn, train_set, train_prompts, heldout, heldout_prompts)
@@ -623,6 +628,8 @@ def validate(cfg: Config, world: int) -> None:
         (not cfg.init_from or os.path.isfile(os.path.join(cfg.init_from, "config.json")),
          f"--init-from {cfg.init_from}: not an HF checkpoint folder (no config.json)"),
         (cfg.task != "math" or bool(cfg.run.data), "--data: the math task needs a problem file or dataset name"),
+        (cfg.answer == "boxed" or (cfg.task == "math" and not cfg.reward),
+         f"--answer {cfg.answer}: chooses how the math task's reward reads an answer (--task math, no --reward)"),
         *user_reward.checks(cfg.reward, cfg.reward_timeout_s),
         *lora.flag_checks(cfg.lora),
         *runtime.run_checks(cfg.run),

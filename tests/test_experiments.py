@@ -171,6 +171,33 @@ def test_recipe_setup_is_the_makefiles_stage_line(tmp_path):
         assert ours == theirs, stage
 
 
+def test_smollm2_setup_is_the_makefiles_run_shortened(tmp_path):
+    """--setup smollm2's flags are `make smollm2`'s train.py line but for the steps, the evaluation's cadence and
+    the final weights; --model and the KL preset pass train.py's checks on it."""
+    import shlex
+
+    import train
+
+    text = subprocess.run(["make", "-s", "-n", "-o", ".venv/.installed-requirements-cpu", "-o",
+                           ".venv/.installed-requirements", "smollm2", f"PY={sys.executable}", f"S={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    theirs = next(shlex.split(x) for x in text.splitlines() if " train.py " in x)
+    theirs = train.parse_args(theirs[theirs.index(next(w for w in theirs if w.endswith("train.py"))) + 1:])
+    ours = train.parse_args(X.smollm2_setup(str(tmp_path)).split())
+    assert (ours.run.model, ours.answer, ours.run.steps) == ("smollm2", "last-number", 8)
+    for name in ("steps", "eval_every", "save_final", "plot", "out_dir", "threads"):
+        setattr(ours.run, name, getattr(theirs.run, name))
+    assert ours == theirs
+    # the set-up writes its problem files when they are absent, and every run is --model smollm2
+    _, _, _, runs = X.plan(X.ExpConfig(setup="smollm2", smollm2_dir=str(tmp_path / "s"), preset="kl", seeds=1,
+                                       out=str(tmp_path / "exp")))
+    assert (tmp_path / "s" / "data" / "heldout.jsonl").exists() and len(runs) == 2
+    assert all(train.parse_args(r.argv).run.model == "smollm2" for r in runs)
+    assert train.parse_args(runs[1].argv).loss.kl_beta == 1e-3
+    _, _, _, runs = X.plan(X.ExpConfig(model="smollm2", seeds=1, out=str(tmp_path / "demo")))
+    assert all(train.parse_args(r.argv).run.model == "smollm2" for r in runs)
+
+
 @pytest.mark.slow  # four train.py processes
 def test_harness_runs_resumes_and_reports_what_the_metrics_say(tmp_path):
     out = tmp_path / "exp"

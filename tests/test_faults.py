@@ -93,6 +93,8 @@ def test_every_entry_point_checks_its_flags_and_inputs_before_loading_anything(t
         (eval_aime.main, (E(model="/no/such/folder", data=str(ok)),), "--model /no/such/folder: no such folder"),
         (eval_aime.main, (E(model=str(empty), data=str(ok)),), f"--model {empty}: not an HF model folder"),
         (eval_aime.main, (E(model="tiny", data=str(ok), k=0),), "--k 0: must be at least 1"),
+        (eval_aime.main, (E(model="tiny", data=str(ok), reward="exact", answer="last-number"),),
+         "--answer last-number: chooses how --reward math reads an answer"),
         (eval_aime.main, (E(model="tiny", data=str(ok), top_p=0.0),), "--top-p 0.0"),
         (eval_aime.main, (E(model="tiny", data=str(ok), out="/etc/hostname/x.jsonl"),), "--out /etc/hostname/x"),
         (eval_aime.main, (E(model="tiny", data=str(tmp_path / "absent.jsonl")),), "absent.jsonl: no such file"),
@@ -106,7 +108,7 @@ def test_every_entry_point_checks_its_flags_and_inputs_before_loading_anything(t
         (logs.main, ([str(tmp_path / "no-run")],), "no-run: no such run folder"),
         (logs.main, ([str(empty)],), f"{empty}: no metrics.jsonl"),
         (recipe.main, ([str(empty)],), f"{empty}: not a recipe folder"),
-        (tasks.main, (["sum", str(empty)],), "usage: python tasks.py sums DIR"),
+        (tasks.main, (["sum", str(empty)],), "usage: python tasks.py sums|add DIR"),
         (bench.main, (bench.BenchConfig(steps=1),), "--steps 1: must be at least 2"),
         (bench.main, (bench.BenchConfig(group_size=1),), "--group-size 1"),
     ]
@@ -122,7 +124,7 @@ def test_eval_aime_exits_2_with_one_line_before_any_engine(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip() == "error: --model /no/such/folder: no such folder, and not a hub name like org/name " \
-                               "(built-in: tiny, tiny-math, r1-shape)"
+                               "(built-in: tiny, tiny-math, r1-shape, smollm2)"
 
 
 def test_problem_files_with_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_path):

@@ -1,7 +1,10 @@
 """reward.py over a table of written cases: equal values in many forms score 1, wrong or malformed ones 0, and
-hostile inputs finish fast without raising."""
+hostile inputs finish fast without raising; --answer last-number on real responses of SmolLM2-135M
+(tests/fixtures/smollm2_add.json), each scored by hand."""
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -117,6 +120,9 @@ def test_hostile_inputs_score_zero_within_the_time_limits(response):
     assert reward.math_reward(response, "1") == 0.0
     assert reward.exact_reward(response, "1") == 0.0
     assert time.time() - t < TIME_LIMIT_S
+    t = time.time()
+    assert reward.math_reward(response, "1", answer="last-number") in (0.0, 1.0)
+    assert time.time() - t < TIME_LIMIT_S
 
 
 def test_model_output_is_never_executed(tmp_path):
@@ -132,3 +138,43 @@ def test_exact_reward():
     assert reward.exact_reward(" 16 ", "16") == 1.0
     assert reward.exact_reward("161", "16") == 0.0
     assert reward.exact_reward(None, "16") == 0.0  # never raises
+
+
+# --answer last-number: real responses of the 135M model, each read and scored by hand (the fixture's "about" says
+# how they were generated); the test fails when the extraction or the scoring of any of them changes.
+SMOLLM2 = json.loads((Path(__file__).parent / "fixtures" / "smollm2_add.json").read_text())["samples"]
+
+
+@pytest.mark.parametrize("case", SMOLLM2, ids=[str(c["sample"]) for c in SMOLLM2])
+def test_real_small_model_responses_score_as_read_by_hand(case):
+    response, gold = case["response"], case["gold"]
+    assert reward.final_answer(response, "last-number") == case["final_answer"]
+    assert reward.math_reward(response, gold, answer="last-number") == case["last_number"]
+    assert reward.math_reward(response, gold) == case["boxed"]  # the default: the boxed answer only
+
+
+def test_the_fixtures_hold_both_kinds_of_cases():
+    # the right answers in prose, the empty and the wrong boxes and a response with no number are all there
+    assert sum(c["last_number"] for c in SMOLLM2) >= 5 and sum(c["boxed"] for c in SMOLLM2) == 0
+    assert any("\\boxed{}" in c["response"] and c["last_number"] == 1.0 for c in SMOLLM2)
+    assert any(reward.last_boxed(c["response"]) for c in SMOLLM2) and any(c["final_answer"] is None for c in SMOLLM2)
+
+
+LAST_NUMBER = [  # (response, gold, score under --answer last-number): the rule's edges, written by hand
+    ("84 + 50 = 134.", "134", 1.0),
+    ("84 + 50 = 134. Then 134 - 50 = 84", "134", 0.0),  # the last number written, not the one meant
+    ("The sum is 1,234.", "1234", 1.0),  # thousands separators
+    ("x is 3, 4", "4", 1.0),  # a comma and a space: two numbers
+    ("The answer is -5.", "-5", 1.0),
+    ("84-50=34", "34", 1.0),  # a minus after a digit is subtraction
+    ("half of 3 is 1.5", "\\frac{3}{2}", 1.0),  # math-verify compares values
+    ("So \\boxed{12}, or 134", "134", 0.0),  # a non-empty box is the answer
+    ("So \\boxed{}, or 134", "134", 1.0),  # an empty one is not
+    ("<think>134</think> I do not know", "134", 0.0),  # only after </think>
+    ("no number here", "1", 0.0),
+]
+
+
+@pytest.mark.parametrize("response,gold,score", LAST_NUMBER, ids=range(len(LAST_NUMBER)))
+def test_last_number_rule(response, gold, score):
+    assert reward.math_reward(response, gold, answer="last-number") == score

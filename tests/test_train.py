@@ -71,10 +71,23 @@ def test_bad_flags_fail_with_one_line_before_any_model_loads(monkeypatch, tmp_pa
     for flags, needle in [(dict(group_size=1), "--group-size 1"), (dict(prompts_per_step=0), "--prompts-per-step 0"),
                           (dict(lr=0.0), "--lr 0.0"), (dict(max_new_tokens=64), "--max-new-tokens 64"),
                           (dict(minibatch_size=10_000), "--minibatch-size 10000"),
-                          (dict(model=str(tmp_path / "nope")), "--model")]:
+                          (dict(model=str(tmp_path / "nope")), "--model"),
+                          (dict(answer="last-number"), "--answer last-number: chooses how the math task's reward")]:
         with pytest.raises(UserError) as e:
             train.train(config(train.Config, out_dir=str(tmp_path), **flags))
         assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_answer_flag_chooses_how_the_math_reward_reads_answers(tmp_path):
+    # --answer reaches the run's reward: a response in prose scores only under last-number, a boxed one under both
+    problems = tmp_path / "add.jsonl"
+    problems.write_text('{"problem": "What is 84 + 50?", "answer": "134"}\n')
+    for answer, prose in (("boxed", 0.0), ("last-number", 1.0)):
+        cfg = config(train.Config, task="math", data=str(problems), val_data=str(problems), model="smollm2",
+                     answer=answer, max_seq_len=160, max_new_tokens=96, out_dir=str(tmp_path))
+        task = train.load_task(cfg)
+        assert task.reward_fn("84 + 50 = 134.", "134") == prose, answer
+        assert task.reward_fn("So \\boxed{134}, from 84 + 50", "134") == 1.0, answer
 
 
 def test_kl_to_reference_starts_at_zero_and_grows(vllm_engine, tmp_path, monkeypatch):
