@@ -36,15 +36,16 @@ SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face" 
 FLAGS = ["--model", bases.SMOLLM2, "--task", "math", "--data", str(PROBLEMS), "--engine", "vllm",
          "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16", "--max-seq-len", "96",
          "--eval-every", "0", "--checkpoint-every", "1", "--quiet"]
-SHORT = "Reply with one word: is seven larger than three?"  # a question SmolLM2 answers and ends within 32 tokens
+SHORT = "Reply with one word: is seven larger than three?"  # SmolLM2 answers it, greedily, within 32 tokens
 
 # the reward the run is given: it keeps every text it is handed, and scores a response by its length, so that the
-# two samples of a group differ and the update moves the weights
+# two samples of a group differ and the update moves the weights (shorter is better: the trained model still ends
+# its answers, which the stop test needs)
 RECORDER = """import json
 def record(response, gold):
     with open({path!r}, "a") as f:
         f.write(json.dumps(response) + "\\n")
-    return float(len(response))
+    return -float(len(response))
 """
 
 # in a fresh process, as a user would: vLLM loads the exported folder; the trainer's logprobs of what it samples
@@ -61,7 +62,7 @@ lp, gen, mask = test_rollout.trainer_logprobs(model.load_model(path), prompts, s
 mm = grpo.mismatch_metrics(gen, lp, mask)
 short = tok.apply_chat_template([{{"role": "user", "content": {short!r}}}], add_generation_prompt=True,
                                 tokenize=True, return_dict=False)
-answers = engine.generate([short], n=4, max_tokens=32, seed=0)
+answers = engine.generate([short], n=1, max_tokens=32, temperature=0.0)
 print("RESULT", json.dumps({{"mpe": float(mm.token_mult_prob_error / mask.sum()),
                              "answers": [[s.token_ids, s.logprobs, s.truncated] for s in answers]}}))
 """
@@ -184,6 +185,6 @@ def test_responses_stop_at_im_end_and_the_reward_never_sees_special_tokens(runs,
     texts = []
     task = train.Task("", tok, lambda text, gold: texts.append(text) or 0.0, [data.Problem(SHORT, "yes")], [], [], [])
     train.score(task, [0], answers, len(answers))
-    assert len(texts) == 4 and len(runs["seen"]) == 2 * 4  # 2 prompts x 2 samples, 2 steps
+    assert len(texts) == 1 and len(runs["seen"]) == 2 * 4  # 2 prompts x 2 samples, 2 steps
     for text in texts + runs["seen"]:
         assert "<|im_end|>" not in text and "<|im_start|>" not in text and "<|endoftext|>" not in text
