@@ -14,6 +14,13 @@ computes at any moment, step k of each runs next to step k of the others, and ea
 the per-step ratios. It also times each engine's own generate called directly on the same prompts, to show
 what our wrapper (per-prompt seeds, logprobs, Sample objects) costs.
 
+`python bench.py --models smollm2` runs a real pretrained model, SmolLM2-135M-Instruct (`--model smollm2`), on
+chat prompts (the math task's prompt, through its chat template and system prompt: "What is 3 + 9 + 4? Let's
+think step by step ...", boxed-answer reward) with every response `--new-tokens` long on both sides, our update
+and TRL's over micro-batches of `--micro-batch` sequences (TRL: gradient accumulation, one optimizer step per
+generation batch, as ours). Its table adds the update's achieved FLOP/s against this CPU's float32 (and bf16)
+matmul peak, measured at the update's shapes before the runs.
+
 `python bench.py shape` runs the 1.5B shape end to end on CPU (the built-in `r1-shape`: R1-Distill-Qwen-1.5B's
 config.json with 2 layers and random weights) through the project's own commands, each a subprocess: GRPO steps
 under `torchrun --nproc_per_node N train.py` with the vLLM engine on long generated prompts and a checkpoint, the
@@ -110,13 +117,18 @@ class BenchConfig:
     group_size: int = 8  # samples per prompt
     new_tokens: int = 128  # every response is exactly this long (EOS masked until then)
     steps: int = 16  # steps per run on the tiny model; the first is warm-up and left out of the medians
-    large_steps: int = 4  # steps per run on the ~25M model (a step takes tens of seconds on 2 CPU cores)
-    models: list[Literal["tiny", "25m"]] = field(default_factory=lambda: ["tiny", "25m"])
+    large_steps: int = 4  # steps per run on the ~25M model and SmolLM2 (a step takes tens of seconds on 2 CPU cores)
+    # smollm2: SmolLM2-135M-Instruct on chat prompts (--models smollm2; not in the default list: ~30 minutes)
+    models: list[Literal["tiny", "25m", "smollm2"]] = field(default_factory=lambda: ["tiny", "25m"])
+    # SmolLM2: sequences per forward/backward of the update, ours (--micro-batch-tokens = this x the longest
+    # sequence) and TRL's (per_device_train_batch_size, gradient accumulation over the step's samples) alike
+    micro_batch: int = 32
     # hf, vllm: train.py in float32 (its CPU default); hf-bf16: train.py with --dtype bfloat16 (bf16 engine weights,
     # bf16 autocast in training). trl: TRL's GRPOTrainer in float32 with gradient checkpointing off, like train.py
     # (the same compute: hf's match); trl-bf16: the same in bf16 mixed precision (hf-bf16's match); trl-defaults: as
     # GRPOConfig comes (bf16 mixed precision, gradient checkpointing on: a recompute of every layer in backward)
-    engines: list[Literal["hf", "vllm", "hf-bf16", "trl", "trl-bf16", "trl-defaults"]] = field(
+    # vllm-bf16: train.py --engine vllm --dtype bfloat16 (not in the default list)
+    engines: list[Literal["hf", "vllm", "hf-bf16", "vllm-bf16", "trl", "trl-bf16", "trl-defaults"]] = field(
         default_factory=lambda: ["hf", "vllm", "hf-bf16", "trl", "trl-bf16", "trl-defaults"])
     out: str = "runs/bench"  # where results.json and table.md are written
     # internal: run one configuration in this process and write its JSON result here
@@ -137,20 +149,43 @@ def large_model() -> str:
 
 
 def model_for(name: str) -> str:
+    if name == "smollm2":
+        return model.resolve(bases.SMOLLM2)
     return model.resolve(bases.TINY) if name == "tiny" else large_model()
 
 
-def step_prompts(cfg: BenchConfig, steps: int) -> list[list[str]]:
-    """The prompts train.py's loop draws at each step (same stream, same seed)."""
+def chat_problems() -> list[data.Problem]:
+    """SmolLM2's workload: the demo's training sums as math problems ("What is 3 + 9 + 4?", gold "16"), which train.py
+    (--task math) and TRL (conversational prompts) both put through the chat template with DeepScaleR's
+    instruction (data.math_prompt)."""
     train_set, _ = tasks.sum3_split()
+    return [data.Problem(f"What is {p.prompt.rstrip('=').replace('+', ' + ')}?", p.answer) for p in train_set]
+
+
+def chat_text(tok, problem: str) -> str:
+    """data.math_prompt's prompt as text (its token ids are tok(this text)'s)."""
+    return tok.decode(data.math_prompt(tok, problem))
+
+
+def step_prompts(cfg: BenchConfig, steps: int, tok=None) -> list[list[str]]:
+    """The prompts train.py's loop draws at each step (same stream, same seed); with SmolLM2's tokenizer (`tok`),
+    its chat prompts."""
+    train_set = chat_problems() if tok is not None else tasks.sum3_split()[0]
     stream = data.PromptStream(len(train_set), seed=0)
-    return [[train_set[i].prompt for i in stream.take(cfg.prompts)] for _ in range(steps)]
+    text = (lambda p: chat_text(tok, p)) if tok is not None else (lambda p: p)
+    return [[text(train_set[i].prompt) for i in stream.take(cfg.prompts)] for _ in range(steps)]
 
 
-def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int, turns: Turns) -> dict:
-    """train.py's loop with the benchmark workload, then the engine's own generate on the same prompts."""
+def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int, turns: Turns, chat: bool = False) -> dict:
+    """train.py's loop with the benchmark workload, then the engine's own generate on the same prompts. chat: the
+    math task on chat_problems (SmolLM2), micro-batches of --micro-batch sequences."""
     torch.set_num_threads(os.cpu_count() or 1)
-    max_len = 16 + cfg.new_tokens
+    tok = model.load_tokenizer(path)
+    extra, max_len = {}, 16 + cfg.new_tokens
+    if chat:
+        problems = chat_problems()
+        max_len = max(len(data.math_prompt(tok, p.prompt)) for p in problems) + cfg.new_tokens
+        extra = dict(task="math", micro_batch_tokens=cfg.micro_batch * max_len)
     kind = engine_name.removesuffix("-bf16")
     dtype = "bfloat16" if engine_name.endswith("-bf16") else "float32"
     if kind == "vllm":
@@ -158,10 +193,14 @@ def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int, turns: T
     else:
         engine = rollout.HFEngine(path, dtype=getattr(torch, dtype))
     with tempfile.TemporaryDirectory() as tmp:
+        if chat:
+            extra["data"] = str(Path(tmp) / "problems.jsonl")
+            Path(extra["data"]).write_text("".join(json.dumps({"problem": p.prompt, "answer": p.answer}) + "\n"
+                                                   for p in problems))
         tcfg = runtime.config(train.Config, model=path, engine=kind, dtype=dtype, steps=steps,
                               prompts_per_step=cfg.prompts, group_size=cfg.group_size, max_new_tokens=cfg.new_tokens,
                               min_new_tokens=cfg.new_tokens, max_seq_len=max_len, eval_every=0, checkpoint_every=0,
-                              save_final=False, plot=False, quiet=True, out_dir=tmp)
+                              save_final=False, plot=False, quiet=True, out_dir=tmp, **extra)
         rows = train.train(tcfg, engine=TurnTakingEngine(engine, turns))["history"][1:]  # [0]: the step-0 record
     for r, wait in zip(rows, turns.waits, strict=True):  # one generate call per step
         r["time_generate"] -= wait
@@ -174,15 +213,18 @@ def run_ours(cfg: BenchConfig, engine_name: str, path: str, steps: int, turns: T
     n_seq = cfg.prompts * cfg.group_size
     res["gen_tokens_per_s"] = n_seq * cfg.new_tokens / res["generate"]
     res["response_len"] = statistics.mean(r["response_len_mean"] for r in rows)  # = new_tokens: the workload held
-    tok = model.load_tokenizer(path)
-    prompt_len = statistics.mean(len(tok(t)["input_ids"]) for texts in step_prompts(cfg, steps) for t in texts)
+    chat_tok = tok if chat else None
+    prompt_len = statistics.mean(len(tok(t)["input_ids"]) for texts in step_prompts(cfg, steps, chat_tok)
+                                 for t in texts)
+    res["prompt_len"] = prompt_len
     res["train_tokens_per_s"] = n_seq * (prompt_len + cfg.new_tokens) / (res["logprobs"] + res["update"])
     res["peak_gib"] = runtime.peak_memory_gib(torch.device("cpu"))
-    res["wrapped_generate"], res["direct_generate"] = wrapper_vs_direct(cfg, kind, engine, tok, steps - 1)
+    res["wrapped_generate"], res["direct_generate"] = wrapper_vs_direct(cfg, kind, engine, tok, steps - 1, chat_tok)
     return res
 
 
-def wrapper_vs_direct(cfg: BenchConfig, engine_name: str, engine, tok, repeats: int) -> tuple[float, float]:
+def wrapper_vs_direct(cfg: BenchConfig, engine_name: str, engine, tok, repeats: int,
+                      chat_tok=None) -> tuple[float, float]:
     """Median seconds of our engine's generate and of the engine's own generate, called alternately on the same
     prompts (the steps' prompts), in turn first and second (ABBA), so that drifts in machine speed and whatever
     the first call of a pair pays hit both alike. "Own generate" is the plainest call that yields the same samples
@@ -209,7 +251,7 @@ def wrapper_vs_direct(cfg: BenchConfig, engine_name: str, engine, tok, repeats: 
                                       cache_implementation="static" if engine.model.device.type == "cpu" else None)
 
     wrapped, direct = [], []
-    for k, texts in enumerate(step_prompts(cfg, max(repeats, 4))):
+    for k, texts in enumerate(step_prompts(cfg, max(repeats, 4), chat_tok)):
         ids = [tok(t)["input_ids"] for t in texts]
         for which in ((0, 1) if k % 2 == 0 else (1, 0)):
             t0 = time.time()
@@ -218,9 +260,11 @@ def wrapper_vs_direct(cfg: BenchConfig, engine_name: str, engine, tok, repeats: 
     return statistics.median(wrapped), statistics.median(direct)
 
 
-def run_trl(cfg: BenchConfig, path: str, steps: int, turns: Turns, **precision) -> dict:
+def run_trl(cfg: BenchConfig, path: str, steps: int, turns: Turns, chat: bool = False, **precision) -> dict:
     """The same workload through TRL's GRPOTrainer (HF generate, one update per generation batch, no KL).
-    precision: bf16 and gradient_checkpointing for GRPOConfig; left out, GRPOConfig's defaults."""
+    precision: bf16 and gradient_checkpointing for GRPOConfig; left out, GRPOConfig's defaults. chat: SmolLM2's
+    workload (run_ours): conversational prompts, which TRL puts through the chat template as data.math_prompt
+    does, the boxed-answer reward, and gradient accumulation over micro-batches of --micro-batch sequences."""
     try:  # here, not at the top: TRL is optional (only this comparison row needs it)
         import datasets
         from trl import GRPOConfig, GRPOTrainer
@@ -228,10 +272,16 @@ def run_trl(cfg: BenchConfig, path: str, steps: int, turns: Turns, **precision) 
         return {"error": f"TRL not installed ({err}); pip install trl==1.16.0"}
 
     torch.set_num_threads(os.cpu_count() or 1)
-    train_set, _ = tasks.sum3_split()
-    ds = datasets.Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in train_set])
+    if chat:
+        ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"{p.prompt} {data.INSTRUCTION}"}],
+                                          "answer": p.answer} for p in chat_problems()])
+    else:
+        train_set, _ = tasks.sum3_split()
+        ds = datasets.Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in train_set])
 
     def exact(completions, answer, **_):
+        if chat:  # conversational: each completion is [{"role": "assistant", "content": text}]
+            return [reward.math_reward(c[0]["content"], a) for c, a in zip(completions, answer)]
         return [reward.exact_reward(c, a) for c, a in zip(completions, answer)]
 
     times = {"step": [], "generate": [], "score": []}
@@ -260,9 +310,10 @@ def run_trl(cfg: BenchConfig, path: str, steps: int, turns: Turns, **precision) 
         return wrapper
 
     n = cfg.prompts * cfg.group_size
+    micro = min(cfg.micro_batch, n) if chat else n  # the step's n samples: one generation, one optimizer step
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
-            output_dir=tmp, max_steps=steps, per_device_train_batch_size=n, gradient_accumulation_steps=1,
+            output_dir=tmp, max_steps=steps, per_device_train_batch_size=micro, gradient_accumulation_steps=n // micro,
             num_generations=cfg.group_size, max_completion_length=cfg.new_tokens, temperature=1.0,
             generation_kwargs={"min_new_tokens": cfg.new_tokens}, learning_rate=2e-4, beta=0.0, num_iterations=1,
             use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True,
@@ -289,13 +340,65 @@ def run_one(cfg: BenchConfig) -> None:
     path = model_for(model_name)  # built by main already: only a lookup
     steps = cfg.steps if model_name == "tiny" else cfg.large_steps
     turns = Turns(cfg.turns)
+    chat = model_name == "smollm2"
     if engine_name == "trl-defaults":
-        res = run_trl(cfg, path, steps, turns)
+        res = run_trl(cfg, path, steps, turns, chat)
     elif engine_name.startswith("trl"):
-        res = run_trl(cfg, path, steps, turns, bf16=engine_name == "trl-bf16", gradient_checkpointing=False)
+        res = run_trl(cfg, path, steps, turns, chat, bf16=engine_name == "trl-bf16", gradient_checkpointing=False)
     else:
-        res = run_ours(cfg, engine_name, path, steps, turns)
+        res = run_ours(cfg, engine_name, path, steps, turns, chat)
     Path(cfg.result).write_text(json.dumps(res))
+
+
+def update_shape(cfg: BenchConfig) -> tuple[float, float]:
+    """SmolLM2's update workload per sequence: (prompt + response tokens, response tokens), the prompts' mean
+    length over the steps' chat prompts."""
+    tok = model.load_tokenizer(model_for("smollm2"))
+    prompts = [t for texts in step_prompts(cfg, cfg.large_steps, tok) for t in texts]
+    return statistics.mean(len(tok(t)["input_ids"]) for t in prompts) + cfg.new_tokens, float(cfg.new_tokens)
+
+
+def update_peaks(cfg: BenchConfig) -> dict:
+    """This CPU's matmul FLOP/s at the update's shapes (one micro-batch of --micro-batch sequences: its layers' and
+    LM-head chunk's matmuls, layer_matmuls), at all cores, in float32 and, for the bf16 rows, in bf16; measured
+    before the runs, with nothing else of the bench running."""
+    seq, resp = update_shape(cfg)
+    micro = min(cfg.micro_batch, cfg.prompts * cfg.group_size)
+    dtypes = ["float32"] + (["bfloat16"] if any(e.endswith("bf16") or e == "trl-defaults" for e in cfg.engines) else [])
+    print(f"bench: the matmul peak at SmolLM2's update shapes ({', '.join(dtypes)}) ...", flush=True)
+    return {dt: matmul_peak(model_for("smollm2"), ShapeConfig(response_tokens=int(micro * resp), nproc=1, dtype=dt,
+                                                                threads=os.cpu_count() or 1), micro * seq)
+            for dt in dtypes} | {"seq": seq, "resp": resp}
+
+
+def flops_table(results: dict, cfg: BenchConfig) -> list[str]:
+    """SmolLM2 rows: the update's model FLOPs (3 passes: forward and backward) over its seconds, and against the
+    float32 peak (and the bf16 one, for the bf16 rows)."""
+    peaks = results.get(("smollm2", "matmul peak"))
+    if peaks is None:
+        return []
+    c = AutoConfig.from_pretrained(model_for("smollm2"))
+    n = cfg.prompts * cfg.group_size
+    model_flops = 3 * n * forward_flops(c, peaks["seq"], peaks["resp"])
+    f32, bf16 = peaks["float32"]["mix"], peaks.get("bfloat16", {}).get("mix")
+    lines = ["", f"SmolLM2's update: {n} sequences of {peaks['seq']:.0f} tokens ({peaks['resp']:.0f} response), "
+             f"micro-batches of {min(cfg.micro_batch, n)}, {model_flops / 1e12:.2f} TFLOP (forward + backward, "
+             f"6 x parameters x tokens plus attention and the LM head over the responses). Matmul peak at its shapes, "
+             f"torch.matmul on all {os.cpu_count()} cores: float32 {f32 / 1e9:.1f} GFLOP/s"
+             + (f", bf16 {bf16 / 1e9:.1f} GFLOP/s" if bf16 else "") + ".", "",
+             "| engine | update s | achieved GFLOP/s | / float32 peak | / bf16 peak |", "|---|---|---|---|---|"]
+    for (model_name, engine_name), r in results.items():
+        if model_name != "smollm2" or engine_name == "matmul peak" or "error" in r or not r.get("update"):
+            continue
+        rate = model_flops / r["update"]
+        half = engine_name.endswith("bf16") or engine_name == "trl-defaults"
+        lines.append(f"| {engine_name} | {r['update']:.3f} | {rate / 1e9:.1f} | {rate / f32:.0%} | "
+                     f"{f'{rate / bf16:.0%}' if half and bf16 else '-'} |")
+    lines.append("")
+    lines.append("TRL's update is its step minus generate and score (it includes any pass TRL makes besides the "
+                 "update's own); trl-defaults recomputes every layer in backward (gradient checkpointing), work "
+                 "not counted in the model FLOPs.")
+    return lines
 
 
 def ratio(ours: dict, trl: dict) -> str:
@@ -309,11 +412,16 @@ def ratio(ours: dict, trl: dict) -> str:
 def table(results: dict, cfg: BenchConfig) -> str:
     f = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     lines = [f"{cfg.prompts} prompts x {cfg.group_size} samples x {cfg.new_tokens} new tokens, one update per step; "
-             f"median seconds per step (first step left out). CPU: {cpu_description()}", "",
+             f"median seconds per step (first step left out). CPU: {cpu_description()}, 1-minute load average "
+             f"{os.getloadavg()[0]:.1f} at the end"
+             + (f"; SmolLM2: chat prompts, micro-batches of {cfg.micro_batch} sequences" if "smollm2" in cfg.models
+                else ""), "",
              "| model | engine | step | generate | score | old logprobs | update | refit | everything else "
              "| gen tok/s | train tok/s | peak GiB | generate: ours / engine's own | step vs TRL (matched / defaults) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (model_name, engine_name), r in results.items():
+        if engine_name == "matmul peak":
+            continue
         if "error" in r:
             lines.append(f"| {model_name} | {engine_name} | {r['error']} |")
             continue
@@ -337,7 +445,8 @@ def table(results: dict, cfg: BenchConfig) -> str:
                  "trl-defaults: GRPOConfig as it comes (bf16, gradient checkpointing on). Matched: hf and vllm vs "
                  "trl, hf-bf16 vs trl-bf16. 'generate: ours / engine's own': medians of the two called alternately "
                  "(ABBA) on the same prompts after the run. Step vs TRL: the median over steps of our step k / "
-                 "TRL's step k, which ran next to each other, and its range.")
+                 "TRL's step k, which ran next to each other, and its range. vllm-bf16 is matched with trl-bf16.")
+    lines += flops_table(results, cfg)
     return "\n".join(lines)
 
 
@@ -354,7 +463,7 @@ def run_ring(cfg: BenchConfig, model_name: str, engines: list[str], out: Path) -
         cmd = [sys.executable, __file__, "--one", f"{engine_name}:{model_name}", "--result", str(res_file),
                "--turns", f"{go_r},{done_w}",
                *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in asdict(cfg).items()
-                     if k in ("prompts", "group_size", "new_tokens", "steps", "large_steps")), [])]
+                     if k in ("prompts", "group_size", "new_tokens", "steps", "large_steps", "micro_batch")), [])]
         log = open(out / f"{engine_name}-{model_name}.log", "w")
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, pass_fds=(go_r, done_w))
         os.close(go_r)
@@ -407,6 +516,9 @@ def validate(cfg: BenchConfig) -> None:
         (cfg.steps >= 2, f"--steps {cfg.steps}: must be at least 2 (the first is warm-up)"),
         (cfg.large_steps >= 2, f"--large-steps {cfg.large_steps}: must be at least 2 (the first is warm-up)"),
         (bool(cfg.models) and bool(cfg.engines), "--models and --engines: name at least one each"),
+        (cfg.micro_batch >= 1 and (cfg.prompts * cfg.group_size) % min(cfg.micro_batch, cfg.prompts * cfg.group_size)
+         == 0, f"--micro-batch {cfg.micro_batch}: must be positive and divide prompts x group size = "
+               f"{cfg.prompts * cfg.group_size} (TRL's gradient accumulation steps)"),
         (writable(Path(cfg.out)), f"--out {cfg.out}: cannot be written"),
     ])
 
@@ -425,6 +537,10 @@ def main(cfg: BenchConfig) -> None:
         # machine's 24 GiB at once: there the float32 ones and TRL's defaults form one ring, the bf16 pair
         # another, and vLLM (8 GiB of engine) runs on its own
         rings = [cfg.engines]
+        if model_name == "smollm2":  # float32 in one ring, bf16 in the other: all at once would not fit 24 GiB
+            bf16 = [e for e in cfg.engines if e.endswith("-bf16") or e == "trl-defaults"]
+            rings = [[e for e in cfg.engines if e not in bf16], bf16]
+            results[("smollm2", "matmul peak")] = update_peaks(cfg)
         if model_name == "25m":
             bf16 = ["hf-bf16", "trl-bf16"]
             rings = [[e for e in cfg.engines if e not in bf16 + ["vllm"]], [e for e in cfg.engines if e in bf16],

@@ -61,7 +61,7 @@ def vllm_engine(_vllm, tiny_path):
 # `make test-fast` runs `pytest -m "not slow"`: what someone changing grpo.py, reward.py or data.py wants in seconds.
 # Slow: whatever starts a vLLM engine, torchrun, or a training run in a process of its own.
 SLOW_MODULES = {"test_bench", "test_checkpoint", "test_distributed", "test_dpo", "test_recipe", "test_rollout",
-                "test_train"}
+                "test_real_model", "test_train"}
 
 
 def pytest_configure(config):

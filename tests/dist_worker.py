@@ -1,8 +1,10 @@
 """Run under torchrun by tests/test_distributed.py: one job per invocation, results written as files.
 
-  update OUT MICRO_TOKENS MINIBATCHES LR OPT [PG [LORA_RANK]]   one GRPO update (OPT adamw or sgd; PG ppo, gspo or
-                            cispo; LoRA adapters of that rank, the KL reference then the base with adapters off) on
-                            a fixed global batch, in float64; rank 0 saves the weights
+  update OUT MICRO_TOKENS MINIBATCHES LR OPT [PG [LORA_RANK [MODEL]]]   one GRPO update (OPT adamw or sgd; PG ppo,
+                            gspo or cispo; LoRA adapters of that rank, the KL reference then the base with adapters
+                            off) on a fixed global batch, in float64; rank 0 saves the weights. MODEL: a built-in
+                            base (default the tiny one); `smollm2` gets a smaller batch and no KL term (no reference
+                            copy), which keeps its float64 ranks within a few GiB
   refit  OUT TP             shard, change the weights, refit each rank's vLLM engine (TP-sharded when TP > 1),
                             compare its logprobs with the trainer's; record the held-out evaluation's samples of
                             four copies of one prompt, split over the engines
@@ -54,14 +56,15 @@ def fixed_global_batch(tok, P=8, G=4, seed=0):
 
 
 def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: str, pg: str = "ppo",
-           lora_rank: int = 0):
+           lora_rank: int = 0, base: str = bases.TINY):
     rank, world = distributed.init(120)
-    path = model.resolve(bases.TINY)
+    path = model.resolve(base)
     tok = model.load_tokenizer(path)
-    prompts, samples, rewards = fixed_global_batch(tok)
+    small = base == bases.SMOLLM2
+    prompts, samples, rewards = fixed_global_batch(tok, *((4, 2) if small else ()))
     P, G = rewards.shape
     cfg = config(train.Config, prompts_per_step=P, group_size=G, minibatch_size=P * G // minibatches,
-                 micro_batch_tokens=micro_tokens, lr=lr, eps_high=0.28, kl_beta=0.01,
+                 micro_batch_tokens=micro_tokens, lr=lr, eps_high=0.28, kl_beta=0.0 if small else 0.01,
                  grad_clip=1.0 if opt_name == "adamw" else 1e9,  # SGD unclipped: dw = -lr * the gradient itself
                  pg=pg, token_level=pg != "gspo", lora_rank=lora_rank)  # GSPO is sequence-level
     share = range(rank * P // world, (rank + 1) * P // world)  # a prompt's G samples stay on one rank
@@ -83,7 +86,7 @@ def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: 
         start = distributed.full_state_dict(policy.lm)  # a collective; {} but on rank 0
         if distributed.is_main():
             torch.save({k: v.clone() for k, v in start.items() if ".lora_" in k}, f"{out}.start")
-    ref = policy if lora_rank else \
+    ref = None if not cfg.loss.kl_beta else policy if lora_rank else \
         model.load_trainable(path, cpu, checkpointing=False, dtype=f64).eval().requires_grad_(False)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     if opt_name == "adamw":
@@ -179,5 +182,5 @@ def hang(out: Path):
 if __name__ == "__main__":
     job, out = sys.argv[1], Path(sys.argv[2])
     {"update": lambda: update(out, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6],
-                              *sys.argv[7:8], *map(int, sys.argv[8:9])), "refit": lambda: refit(out, int(sys.argv[3])), "die": lambda: die(out), "policy": lambda: policy(out),
+                              *sys.argv[7:8], *map(int, sys.argv[8:9]), *sys.argv[9:10]), "refit": lambda: refit(out, int(sys.argv[3])), "die": lambda: die(out), "policy": lambda: policy(out),
      "hang": lambda: hang(out)}[job]()

@@ -95,6 +95,30 @@ def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens
     assert moved > (0.5 * lr if opt == "adamw" else 1e-3)  # the update really changed the weights
 
 
+def test_tied_embeddings_of_the_real_model_get_the_same_update_at_two_ranks(tmp_path):
+    # SmolLM2-135M (--model smollm2) ties its LM head to the embedding: one tensor, two uses, whose gradient is the
+    # sum of both under FSDP2 as in one process. Unclipped SGD in float64 on a short batch (4 prompts x 2), no KL
+    import bases
+    import model
+    from safetensors.torch import load_file
+
+    results = {}
+    for n in (1, 2):
+        r = torchrun(n, "update", tmp_path / f"w{n}.pt", 10_000, 1, 1.0, "sgd", "ppo", 0, bases.SMOLLM2, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        results[n] = torch.load(tmp_path / f"w{n}.pt")
+    assert results[2].keys() == results[1].keys()
+    for k, w1 in results[1].items():
+        assert (results[2][k] - w1).abs().max().item() <= same_update_tolerance(1.0), k
+    path = Path(model.resolve(bases.SMOLLM2))
+    init = load_file(path / "model.safetensors")["model.embed_tokens.weight"]
+    for n in (1, 2):
+        moved = (results[n]["model.embed_tokens.weight"] - init.double()).abs().sum(1)
+        # the batch's tokens are a few dozen of the 49,152 rows: every other row moves only through the LM head's
+        # softmax, so every row moving says that the head's gradient reached the one shared tensor
+        assert bool((moved > 0).all()), f"{n} rank(s): {int((moved == 0).sum())} embedding rows did not move"
+
+
 @pytest.mark.two_gpus
 @pytest.mark.parametrize("tp", [1, 2], ids=["engine-per-rank", "tensor-parallel-2"])
 def test_refit_from_shards_matches_trainer_on_each_rank(tmp_path, tiny_path, tp):

@@ -111,6 +111,7 @@ def test_every_entry_point_checks_its_flags_and_inputs_before_loading_anything(t
         (tasks.main, (["sum", str(empty)],), "usage: python tasks.py sums|add DIR"),
         (bench.main, (bench.BenchConfig(steps=1),), "--steps 1: must be at least 2"),
         (bench.main, (bench.BenchConfig(group_size=1),), "--group-size 1"),
+        (bench.main, (bench.BenchConfig(prompts=2, group_size=2, micro_batch=3),), "--micro-batch 3: must be positive and divide"),
     ]
     for fn, args, needle in cases:
         msg = one_line_error(fn, *args)
