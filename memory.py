@@ -14,13 +14,20 @@ The frozen reference copy for the KL term is counted where the stage presets tur
 and AdamW moments of the adapters only, and no reference copy (the base with adapters off is the reference).
 
 What it does not do: measure. These are estimates; docs/distributed.md puts measurements beside them.
-Activation bytes per token per layer (b bytes per compute value: 2 in bf16, 4 in float32; flash attention, so no
-S^2 term; SwiGLU MLP):
-  attention: layer input, norm output, Q, K, V, attention output  -> b * (4H + 2 * kv_dim)
-  MLP:       norm input and output, gate, up, SiLU(gate), product  -> b * (2H + 4I)
+`tokens` (--lengths) is one micro-batch's padded tokens, rows x its longest row (train.py's --micro-batch-tokens,
+or one sequence's length where a sequence is longer), not a sequence's length: 64 sequences of 160 tokens under
+the default budget of 8192 are micro-batches of 51 rows, 8,160 tokens.
+Activation bytes per token per layer kept for backward (b bytes per compute value: 2 in bf16, 4 in float32;
+SDPA attention, transformers' default, so no heads x S^2 scores; SwiGLU MLP), as counted with
+torch.autograd.graph.saved_tensors_hooks on SmolLM2 in float32 (48.5 KB; docs/distributed.md):
+  two RMSNorms: each its input and its normalized input; the projections' inputs      -> b * 6H
+  SDPA: Q, K and V repeated to every head (transformers' repeat_kv), the output      -> b * 4 * heads * head_dim
+  MLP: gate, up, SiLU(gate), their product                                            -> b * 4I
+  on CPU, SDPA also keeps a float32 copy of the [rows, 1, S, S] padding mask per layer -> 4S (S: the longest row)
   backward of one layer: about as much again (the gradients of those activations)
 With checkpointing only each layer's input (4H bytes: the residual stream is float32) is kept, plus one layer's
-full activations and their gradients while it is recomputed.
+full activations and their gradients while it is recomputed. The LM head's chunk: logits, softmax and their
+gradients, 16 V bytes for each of min(chunk, tokens) positions (only response positions reach it: an upper bound).
 """
 
 from dataclasses import dataclass
@@ -47,7 +54,10 @@ class Shape:
 
     @classmethod
     def from_config(cls, path: str) -> "Shape":
-        c = AutoConfig.from_pretrained(path)
+        """The shape of an HF model folder, or of a built-in base by name (`smollm2`, `tiny`: model.resolve)."""
+        import model  # here: model.resolve builds a built-in base on first use
+
+        c = AutoConfig.from_pretrained(model.resolve(path))
         return cls(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
                    c.num_key_value_heads, c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)))
 
@@ -75,17 +85,22 @@ class Shape:
 def estimate(s: Shape, tokens: int, ranks: int = 8, seqs_per_rank: int = 128, chunk_tokens: int = 1024,
              checkpointing: bool = True, micro_batches: int = 2, device: Literal["gpu", "cpu"] = "gpu",
              vllm_fraction: float | None = None, gpu_gib: float = GPU_GIB, kv_cache_gib: float = 1.0,
-             process_gib: float = 1.0, lora_rank: int = 0, reference: bool | None = None) -> dict[str, float]:
-    """GiB per rank, one micro-batch of `tokens` tokens. micro_batches: per minibatch on this rank (more than one:
-    the gradients accumulate unsharded until the minibatch's one reduction). lora_rank > 0: LoRA adapters train,
-    the base is frozen. reference: whether the KL term is on (default: as the stage presets, beyond 8K tokens)."""
+             process_gib: float = 0.85, lora_rank: int = 0, reference: bool | None = None,
+             seq_len: int = 0) -> dict[str, float]:
+    """GiB per rank, one micro-batch of `tokens` padded tokens whose longest row is `seq_len` (0: one sequence of
+    `tokens`). micro_batches: per minibatch on this rank (more than one: the gradients accumulate unsharded until
+    the minibatch's one reduction). lora_rank > 0: LoRA adapters train, the base is frozen. reference: whether the
+    KL term is on (default: as the stage presets, beyond 8K tokens)."""
     layer, rest = s.params()
     P = layer * s.layers + rest
     T = s.lora_params(lora_rank) if lora_rank else P  # what trains: gradients and AdamW moments exist for these
     reference = tokens > 8192 if reference is None else reference
     b = 2 if device == "gpu" else 4  # compute bytes: autocast's bf16 on GPU, float32 on CPU
-    H, I = s.hidden, s.intermediate
-    act_layer = b * (4 * H + 2 * s.kv_dim) + b * (2 * H + 4 * I)  # bytes / token / layer
+    H, I, S = s.hidden, s.intermediate, seq_len or tokens
+    head_dim = H // s.heads
+    act_layer = b * (6 * H + 4 * s.heads * head_dim + 4 * I)  # bytes / token / layer
+    if device == "cpu":
+        act_layer += 4 * S  # CPU SDPA's float32 copy of the padding mask, [rows, 1, S, S] per layer
     if checkpointing:
         acts = (4 * H * s.layers + 2 * act_layer) * tokens
     else:
@@ -107,7 +122,7 @@ def estimate(s: Shape, tokens: int, ranks: int = 8, seqs_per_rank: int = 128, ch
         "FSDP's flat gather / reduce buffer (the root's group)": (4 * rest if ranks > 1 else 0) / GiB,
         "activations (one micro-batch)": acts / GiB,
         "LM head: final hidden states (fp32)": 2 * 4 * H * tokens / GiB,  # the hidden states and the gathered rows
-        "LM head: one chunk's logits, softmax and their gradients": 4 * 4 * chunk_tokens * s.vocab / GiB,
+        "LM head: one chunk's logits, softmax and their gradients": 4 * 4 * min(chunk_tokens, tokens) * s.vocab / GiB,
     }
     if device == "gpu":
         share = STAGE_SHARES.get(tokens, 0.6) if vllm_fraction is None else vllm_fraction
@@ -117,7 +132,13 @@ def estimate(s: Shape, tokens: int, ranks: int = 8, seqs_per_rank: int = 128, ch
     else:
         rows["vLLM weights (fp32, a full copy per rank)"] = 4 * P / GiB
         rows["vLLM KV cache (VLLM_CPU_KVCACHE_SPACE)"] = kv_cache_gib
+        rows["vLLM's own buffers (CPU)"] = 0.2  # measured on SmolLM2: what its start adds beyond weights and cache
         rows["the process itself (Python, torch, vLLM)"] = process_gib
+        # glibc's heap keeps freed activations for reuse (distributed.reuse_freed_memory), and what it keeps beyond
+        # the live tensors grows with the micro-batch: half the activations' and the LM head's bytes, fitted to the
+        # measured peaks in docs/distributed.md ("Memory on CPU, measured")
+        rows["the process's heap beyond its live tensors (CPU)"] = 0.5 * (
+            rows["activations (one micro-batch)"] + rows["LM head: one chunk's logits, softmax and their gradients"])
     return rows
 
 
@@ -158,17 +179,20 @@ def table(s: Shape, lengths=(8192, 16384, 24576), **kw) -> str:
 
 
 if __name__ == "__main__":
-    def main(config: str = "", ranks: int = 8, seqs_per_rank: int = 128, chunk_tokens: int = 1024,
+    def main(config: str = "", model: str = "", ranks: int = 8, seqs_per_rank: int = 128, chunk_tokens: int = 1024,
              checkpointing: bool = True, micro_batches: int = 2, device: Literal["gpu", "cpu"] = "gpu",
              vllm_fraction: float | None = None, gpu_gib: float = GPU_GIB, lengths: tuple[int, ...] = (8192, 16384, 24576),
-             kv_cache_gib: float = 1.0, process_gib: float = 1.0, lora_rank: int = 0):
-        """config: a local HF model folder (default: DeepSeek-R1-Distill-Qwen-1.5B's shape). vllm_fraction: vLLM's
-        GPU share (default: the stage preset's for 8K / 16K / 24K). micro_batches: per minibatch on one rank.
+             seq_len: int = 0, kv_cache_gib: float = 1.0, process_gib: float = 0.85, lora_rank: int = 0):
+        """config / model (the same): an HF model folder or a built-in base's name, as train.py's --model (default:
+        DeepSeek-R1-Distill-Qwen-1.5B's shape). lengths: one micro-batch's padded tokens (rows x longest row), one
+        table column each. seq_len: the micro-batch's longest row (0: one sequence of `lengths` tokens). vllm_fraction:
+        vLLM's GPU share (default: the stage preset's for 8K / 16K / 24K). micro_batches: per minibatch on one rank.
         lora_rank: LoRA adapters of this rank on every linear layer but the LM head (0: full fine-tuning)."""
-        s = Shape.from_config(config) if config else Shape()
+        path = model or config
+        s = Shape.from_config(path) if path else Shape()
         print(table(s, lengths, ranks=ranks, seqs_per_rank=seqs_per_rank, chunk_tokens=chunk_tokens,
                     checkpointing=checkpointing, micro_batches=micro_batches, device=device,
                     vllm_fraction=vllm_fraction, gpu_gib=gpu_gib, kv_cache_gib=kv_cache_gib, process_gib=process_gib,
-                    lora_rank=lora_rank))
+                    lora_rank=lora_rank, seq_len=seq_len))
 
     tyro.cli(main)

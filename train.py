@@ -34,6 +34,7 @@ import distributed
 import eval_aime
 import grpo
 import lora
+import memory
 import model
 import reward
 import rollout
@@ -89,6 +90,9 @@ class Config:
     # evaluation and progress
     eval_prompts: int = 200  # held-out prompts evaluated
     detailed_progress: bool = False  # also bars for each step's rollout, training and evaluation (long GPU steps)
+    # CPU: before any model loads, stop if memory.py's estimate of a process's peak exceeds its share of the
+    # machine's available memory (the line names the flags that would fit); --no-memory-check runs anyway
+    memory_check: bool = True
     loss: grpo.LossConfig = field(default_factory=grpo.LossConfig)
     lora: Adapters = field(default_factory=Adapters)  # LoRA (lora.py): --lora-rank R > 0 trains adapters, not weights
     run: runtime.RunConfig = field(default_factory=runtime.RunConfig)
@@ -135,6 +139,8 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     """Run GRPO; `engine` lets a caller (the tests, bench.py) bring an engine that already holds the base model."""
     rank, world = distributed.init(cfg.run.dist_timeout_s)
     validate(cfg, world)  # bad flags stop the run here, before any model or engine loads
+    if cfg.memory_check:
+        check_memory(cfg, world)  # and a run that cannot fit in this machine's memory
     device, bf16 = runtime.setup_process(cfg.run)
     task = load_task(cfg)  # and bad data here
     policy = model.load_trainable(task.path, device, cfg.run.activation_checkpointing, cfg.run.trust_remote_code,
@@ -637,6 +643,51 @@ def validate(cfg: Config, world: int) -> None:
     if cfg.lora.on:  # peft must be able to put the adapters on the model: read from its config, no weights load
         lora.model_checks(cfg.lora, model_path(cfg), cfg.run.trust_remote_code,
                           f"--init-from {cfg.init_from}" if cfg.init_from else f"--model {cfg.run.model}")
+
+
+def memory_need_gib(cfg: Config, world: int, checkpointing: bool, micro_batch_tokens: int) -> float:
+    """memory.py's estimate of one process's peak on CPU for this run, read from the model's config.json only:
+    the trainer (sharded over `world`), its engine, and one micro-batch of the worst case: rows of --max-seq-len."""
+    s = memory.Shape.from_config(model_path(cfg))
+    L = cfg.max_seq_len
+    seqs = cfg.prompts_per_step // world * cfg.group_size  # this rank's sequences per step
+    mb_seqs = cfg.minibatch_size // world if cfg.minibatch_size else seqs
+    rows = max(1, min(micro_batch_tokens // L, mb_seqs))
+    kv_gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) if cfg.engine == "vllm" else 0.0
+    rows_gib = memory.estimate(s, rows * L, ranks=world, chunk_tokens=cfg.run.logprob_chunk_tokens,
+                               checkpointing=checkpointing, micro_batches=-(-mb_seqs // rows), device="cpu",
+                               kv_cache_gib=kv_gib, lora_rank=cfg.lora.lora_rank, reference=cfg.loss.kl_beta > 0,
+                               seq_len=L)
+    if cfg.engine == "hf":  # a float32 copy of the model, and no KV cache reserved
+        rows_gib["vLLM's own buffers (CPU)"] = 0.0
+    return memory.totals(rows_gib)["process peak (trainer + engine + libraries)"]
+
+
+def check_memory(cfg: Config, world: int) -> None:
+    """CPU only: one line, before any model loads, when memory.py's estimate of a process's peak exceeds its share
+    of /proc/meminfo's MemAvailable (the node's ranks share it), naming flags that would fit. On GPU the engine's
+    share and the trainer's are set by --gpu-memory-utilization and the stage presets (docs/distributed.md)."""
+    if torch.cuda.is_available() or not os.path.exists("/proc/meminfo"):
+        return
+    with open("/proc/meminfo") as f:
+        meminfo = dict(line.split(":", 1) for line in f)
+    have = int(meminfo["MemAvailable"].split()[0]) / 2**20 / distributed.local_world_size()
+    ckpt, budget = cfg.run.activation_checkpointing, cfg.run.micro_batch_tokens
+    need = memory_need_gib(cfg, world, ckpt, budget)
+    if need <= have:
+        return
+    tries = [(c, t) for c in sorted({ckpt, True}) for t in sorted({budget, 8192, 4096, 2048, 1024, 512}, reverse=True)
+             if t <= budget]
+    fits = next(((c, t) for c, t in tries if memory_need_gib(cfg, world, c, t) <= have), None)
+    if fits is None:
+        way = "no --micro-batch-tokens or --activation-checkpointing fits: fewer --prompts-per-step or more ranks"
+    else:
+        flags = ["--activation-checkpointing"] * (fits[0] and not ckpt) + [f"--micro-batch-tokens {fits[1]}"] * (
+            fits[1] != budget)
+        way = f"{' '.join(flags)} would fit ({memory_need_gib(cfg, world, *fits):.1f} GiB)"
+    raise UserError(f"memory: this run needs about {need:.1f} GiB per process (memory.py) and {have:.1f} GiB is "
+                    f"available to each of this machine's {distributed.local_world_size()} processes; {way}; "
+                    "--no-memory-check runs anyway")
 
 
 def main(argv: list[str]) -> None:

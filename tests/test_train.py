@@ -90,6 +90,28 @@ def test_answer_flag_chooses_how_the_math_reward_reads_answers(tmp_path):
         assert task.reward_fn("So \\boxed{134}, from 84 + 50", "134") == 1.0, answer
 
 
+def test_a_run_that_cannot_fit_in_memory_stops_with_one_line_naming_flags_before_any_model_loads(monkeypatch,
+                                                                                               tmp_path):
+    # 64 x 64 sequences of 4,096 tokens in one micro-batch: about 28 TB of activations even for the tiny model
+    if torch.cuda.is_available():
+        pytest.skip("the memory check is CPU's (GPU runs are sized by --gpu-memory-utilization)")
+    model.resolve("tiny")  # built here if it is not yet: the check reads its config.json, never its weights
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the memory check")
+
+    monkeypatch.setattr(model, "load_model", no_load)
+    flags = dict(out_dir=str(tmp_path), prompts_per_step=64, group_size=64, max_seq_len=4096, max_new_tokens=8,
+                 micro_batch_tokens=10**8)
+    with pytest.raises(UserError) as e:
+        train.train(config(train.Config, **flags))
+    msg = str(e.value)
+    assert msg.startswith("memory: this run needs about") and "\n" not in msg, msg
+    assert "--micro-batch-tokens" in msg and "--no-memory-check" in msg, msg  # a budget of one sequence fits
+    need = float(msg.split("needs about ")[1].split(" GiB")[0])
+    assert need > 1000, msg
+
+
 def test_kl_to_reference_starts_at_zero_and_grows(vllm_engine, tmp_path, monkeypatch):
     loads = []
     real_load = model.load_model
