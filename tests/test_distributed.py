@@ -85,11 +85,14 @@ def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens
         for k, t in merged[2].items():
             layer = k.removesuffix(".weight")
             want = p.get(f"{layer}.base_layer.weight", p.get(k, p.get(k.replace(".bias", ".base_layer.bias"))))
+            want = want.double()
             if f"{layer}.lora_A.default.weight" in p:
-                A, B = p[f"{layer}.lora_A.default.weight"], p[f"{layer}.lora_B.default.weight"]
+                A, B = p[f"{layer}.lora_A.default.weight"].double(), p[f"{layer}.lora_B.default.weight"].double()
                 want = want + (32.0 / lora_rank) * B @ A
-            assert (t.double() - want).abs().max().item() < 1e-6, k
-            assert (t - merged[1][k]).abs().max().item() < 1e-6, k
+            # float32 rounding, relative to the merged weight's size (the adapters' scale makes some entries ~10)
+            tol = 1e-6 * (1 + want.abs().max().item())
+            assert (t.double() - want).abs().max().item() < tol, k
+            assert (t - merged[1][k]).abs().max().item() < tol, k
     else:
         moved = max((results[1][k] - init[k]).abs().max().item() for k in results[1])
     assert moved > (0.5 * lr if opt == "adamw" else 1e-3)  # the update really changed the weights
