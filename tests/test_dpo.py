@@ -149,7 +149,7 @@ def test_bad_data_on_the_command_line_exits_2_before_any_model_loads(tmp_path):
     # --model names a folder that does not exist: the flag check comes first, before the data
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: --model {tmp_path / 'absent'}: no such folder, and not a hub name like org/name "
-        "(built-in: tiny, tiny-math, r1-shape)"]
+        "(built-in: tiny, tiny-math, r1-shape, smollm2)"]
     r = subprocess.run([sys.executable, str(HERE.parent / "dpo.py"), "--data", path, "--chosen-field", "better",
                         "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == \
