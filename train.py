@@ -645,10 +645,9 @@ def validate(cfg: Config, world: int) -> None:
                           f"--init-from {cfg.init_from}" if cfg.init_from else f"--model {cfg.run.model}")
 
 
-def memory_need_gib(cfg: Config, world: int, checkpointing: bool, micro_batch_tokens: int) -> float:
-    """memory.py's estimate of one process's peak on CPU for this run, read from the model's config.json only:
+def memory_need_gib(cfg: Config, s: memory.Shape, world: int, checkpointing: bool, micro_batch_tokens: int) -> float:
+    """memory.py's estimate of one process's peak on CPU for this run, from the shape in the model's config.json:
     the trainer (sharded over `world`), its engine, and one micro-batch of the worst case: rows of --max-seq-len."""
-    s = memory.Shape.from_config(model_path(cfg))
     L = cfg.max_seq_len
     seqs = cfg.prompts_per_step // world * cfg.group_size  # this rank's sequences per step
     mb_seqs = cfg.minibatch_size // world if cfg.minibatch_size else seqs
@@ -673,18 +672,19 @@ def check_memory(cfg: Config, world: int) -> None:
         meminfo = dict(line.split(":", 1) for line in f)
     have = int(meminfo["MemAvailable"].split()[0]) / 2**20 / distributed.local_world_size()
     ckpt, budget = cfg.run.activation_checkpointing, cfg.run.micro_batch_tokens
-    need = memory_need_gib(cfg, world, ckpt, budget)
+    shape = memory.Shape.from_config(model_path(cfg))  # config.json, read once for every try below
+    need = memory_need_gib(cfg, shape, world, ckpt, budget)
     if need <= have:
         return
     tries = [(c, t) for c in sorted({ckpt, True}) for t in sorted({budget, 8192, 4096, 2048, 1024, 512}, reverse=True)
              if t <= budget]
-    fits = next(((c, t) for c, t in tries if memory_need_gib(cfg, world, c, t) <= have), None)
+    fits = next(((c, t) for c, t in tries if memory_need_gib(cfg, shape, world, c, t) <= have), None)
     if fits is None:
         way = "no --micro-batch-tokens or --activation-checkpointing fits: fewer --prompts-per-step or more ranks"
     else:
         flags = ["--activation-checkpointing"] * (fits[0] and not ckpt) + [f"--micro-batch-tokens {fits[1]}"] * (
             fits[1] != budget)
-        way = f"{' '.join(flags)} would fit ({memory_need_gib(cfg, world, *fits):.1f} GiB)"
+        way = f"{' '.join(flags)} would fit ({memory_need_gib(cfg, shape, world, *fits):.1f} GiB)"
     raise UserError(f"memory: this run needs about {need:.1f} GiB per process (memory.py) and {have:.1f} GiB is "
                     f"available to each of this machine's {distributed.local_world_size()} processes; {way}; "
                     "--no-memory-check runs anyway")
