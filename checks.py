@@ -3,7 +3,7 @@
 What it does: UserError is the exception for what the user has to fix (a flag, a file and its row, a run that
 cannot go on); its message is one line that names it. Library functions raise it, so a notebook that calls
 data.load_problems gets an exception it can catch, never an exit; only the entry points (train.py, dpo.py,
-eval_aime.py, logs.py, recipe.py, tasks.py, bench.py) end the command with it: one_line_errors prints
+eval_aime.py, logs.py, tools/recipe.py, demo/tasks.py, tools/bench.py) end the command with it: one_line_errors prints
 `error: <message>` on stderr and exits with status 2, or with 130 when a Ctrl-C stopped the run. check() raises the
 first failed (condition, message) of a list; writable() is the condition every output flag checks.
 

@@ -10,7 +10,7 @@ What it does:
   (read_template).
 - split and PromptStream: the held-out split and the endless, seeded, resumable order of training rows.
 
-What it does not do: the built-in tasks of the demos (tasks.py: the sum of three digits, the chain sums), score
+What it does not do: the built-in tasks of the demos (demo/tasks.py: the sum of three digits, the chain sums), score
 (reward.py), or decide which prompts are too long (train.py does, and reports it).
 """
 

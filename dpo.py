@@ -40,9 +40,9 @@ import model
 import reward
 import rollout
 import runtime
-import tasks
 from checkpoint import export_hf
 from checks import UserError, check, one_line_errors
+from demo import tasks
 
 
 @dataclass

@@ -7,7 +7,7 @@ length, KL, clip fraction, step time) from any run folder: `python logs.py runs/
 and prints the held-out evaluations as a table (heldout_table).
 
 What it does not do: compute metrics (train.py and dpo.py do), decide when to log (runtime.Run does), or report the
-miniature recipe's stages (recipe.py).
+miniature recipe's stages (tools/recipe.py).
 """
 
 import json

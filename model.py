@@ -3,7 +3,7 @@
 What it does:
 - load_model / load_tokenizer: any HF causal LM by local path or hub name; trust_remote_code stays off unless the
   caller turns it on (a model that needs it raises a UserError that says so).
-- resolve: what a --model value names: a built-in base's name (`tiny`, `tiny-math`, `r1-shape`: bases.py builds it
+- resolve: what a --model value names: a built-in base's name (`tiny`, `tiny-math`, `r1-shape`: demo/bases.py builds it
   on first use into DEFAULT_CACHE), else the value itself; model_checks: what is wrong with a --model value, in
   one line, before anything loads.
 - load_trainable: the trainer's model: float32 master weights, with LoRA adapters on it for --lora-rank > 0
@@ -13,7 +13,7 @@ What it does:
 - token_logprobs: log pi(y_t | y_<t) of the response tokens, chunked over tokens so that float32 logits over the
   vocabulary exist for at most `chunk_tokens` positions at a time, with or without grad.
 
-What it does not do: build the demos' base models (bases.py), generation (rollout.py), or the loss (grpo.py).
+What it does not do: build the demos' base models (demo/bases.py), generation (rollout.py), or the loss (grpo.py).
 """
 
 import os
@@ -23,10 +23,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import bases
 import distributed
 import lora
 from checks import UserError
+from demo import bases
 
 # what this project builds or measures once per machine: the built-in bases, HFEngine's CPU decoding choice
 DEFAULT_CACHE = Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-minimal"))

@@ -48,7 +48,7 @@ class RunConfig:
     # model and data
 
     # HF folder or hub name, or a built-in base built once: tiny (the demos), tiny-math (the math recipe in
-    # miniature), r1-shape (bench.py shape)
+    # miniature), r1-shape (tools/bench.py shape)
     model: str = "tiny"
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
     # training data (.jsonl, .json, .parquet, or an HF dataset name[:split]): math problems (GRPO, --task math) or
@@ -111,7 +111,7 @@ def run_checks(run: RunConfig) -> list[tuple[bool, str]]:
 def config(cls, **values):
     """A `cls` (train.Config, dpo.DPOConfig) from values named as flat as the command line names them
     (`steps=3, kl_beta=0.1`): each goes to the field of that name, in cls itself or in a dataclass it holds (run,
-    loss), whose other fields keep cls's defaults. For the stage presets (train.STAGES), bench.py and the tests."""
+    loss), whose other fields keep cls's defaults. For the stage presets (train.STAGES), tools/bench.py and the tests."""
     nested = {}
     for f in fields(cls):
         default = f.default_factory() if f.default_factory is not MISSING else None

@@ -16,7 +16,7 @@ checkpoint in <out_dir>/checkpoints; the final weights go to <out_dir>/final. Un
 sharded with FSDP2 and each engine generates for its share of the prompts (distributed.py).
 
 What it does not do: anything the files it calls own. The math and the loss's options are in grpo.py, problems and
-prompts in data.py (the demo's task in tasks.py), LoRA's adapters in lora.py, the bookkeeping around the loop
+prompts in data.py (the demo's task in demo/tasks.py), LoRA's adapters in lora.py, the bookkeeping around the loop
 (flags every run has, resume, evaluation cadence, checkpoints, Ctrl-C) in runtime.py, which dpo.py's loop shares.
 """
 
@@ -39,11 +39,11 @@ import model
 import reward
 import rollout
 import runtime
-import tasks
 import user_reward
 from checkpoint import export_hf
 from checks import UserError, check, one_line_errors
 from lora import Adapters  # (the field `lora` of Config would hide the module's name in the class body)
+from demo import tasks
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Config:
     answer: Literal["boxed", "last-number"] = "boxed"
     # your own reward, path/to/file.py:function, a (response, gold) -> float used instead of the task's for training
     # and held-out figures; a call that raises, hangs or returns a non-number scores 0 and is counted
-    # (reward_errors) and warned about (user_reward.py; my_reward.py is an example)
+    # (reward_errors) and warned about (user_reward.py; demo/my_reward.py is an example)
     reward: str = ""
     reward_timeout_s: float = 1.0  # --reward: a call running longer scores 0 (its worker process is killed)
     stage: Literal[0, 1, 2, 3, 4] = 0  # DeepScaleR preset (1: 8K, 2: 16K, 3: 24K, 4: GSPO 8K); flags override it
@@ -136,7 +136,7 @@ def parse_args(argv: list[str]) -> Config:
 
 
 def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
-    """Run GRPO; `engine` lets a caller (the tests, bench.py) bring an engine that already holds the base model."""
+    """Run GRPO; `engine` lets a caller (the tests, tools/bench.py) bring an engine that already holds the base model."""
     rank, world = distributed.init(cfg.run.dist_timeout_s)
     validate(cfg, world)  # bad flags stop the run here, before any model or engine loads
     if cfg.memory_check:

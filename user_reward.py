@@ -1,5 +1,5 @@
 """Your own reward without editing the loop: `--reward path/to/file.py:function` in train.py, eval_aime.py and
-experiments.py, where `function(response: str, gold: str)` returns a number (my_reward.py is an example).
+tools/experiments.py, where `function(response: str, gold: str)` returns a number (demo/my_reward.py is an example).
 
 What it does:
 - checks(spec, timeout_s): the flag's one-line errors (no such file, not a .py file, no such function, not callable,

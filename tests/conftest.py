@@ -28,7 +28,7 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}  # for subprocesses that need no vLLM: t
 
 @pytest.fixture(scope="session")
 def tiny_path() -> str:
-    import bases
+    from demo import bases
     import model
 
     return model.resolve(bases.TINY)

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import bases  # noqa: E402
+from demo import bases  # noqa: E402
 import checkpoint  # noqa: E402
 import distributed  # noqa: E402
 import eval_aime  # noqa: E402
@@ -34,7 +34,7 @@ import lora  # noqa: E402
 import model  # noqa: E402
 import rollout  # noqa: E402
 import runtime  # noqa: E402
-import tasks  # noqa: E402
+from demo import tasks  # noqa: E402
 import train  # noqa: E402
 from runtime import config  # noqa: E402
 from test_rollout import perturbed  # noqa: E402

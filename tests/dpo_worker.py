@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import bases  # noqa: E402
+from demo import bases  # noqa: E402
 import distributed  # noqa: E402
 import dpo  # noqa: E402
 import model  # noqa: E402
-import tasks  # noqa: E402
+from demo import tasks  # noqa: E402
 from runtime import config  # noqa: E402
 
 # name: (micro_batch_tokens, optimizer steps, lr, loss, label smoothing, optimizer)

@@ -101,7 +101,7 @@ def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens
 def test_tied_embeddings_of_the_real_model_get_the_same_update_at_two_ranks(tmp_path):
     # SmolLM2-135M (--model smollm2) ties its LM head to the embedding: one tensor, two uses, whose gradient is the
     # sum of both under FSDP2 as in one process. Unclipped SGD in float64 on a short batch (4 prompts x 2), no KL
-    import bases
+    from demo import bases
     import model
     from safetensors.torch import load_file
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import dpo
-import tasks
+from demo import tasks
 import train
 from checks import UserError
 from runtime import config

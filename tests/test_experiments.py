@@ -1,4 +1,4 @@
-"""experiments.py: its statistics against textbook t-table values, closed forms and a hand computation; a table
+"""tools/experiments.py: its statistics against textbook t-table values, closed forms and a hand computation; a table
 made from runs' metrics files against the same figures recomputed here; and the harness itself, 2 variants x 2
 seeds x 2 steps of real train.py processes, resumed without rerunning anything."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import experiments as X
+from tools import experiments as X
 from checks import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,7 +201,7 @@ def test_smollm2_setup_is_the_makefiles_run_shortened(tmp_path):
 @pytest.mark.slow  # four train.py processes
 def test_harness_runs_resumes_and_reports_what_the_metrics_say(tmp_path):
     out = tmp_path / "exp"
-    cmd = [sys.executable, str(ROOT / "experiments.py"), "--variant", "defaults=", "hot=--lr 2e-3", "--seeds", "2",
+    cmd = [sys.executable, str(ROOT / "tools/experiments.py"), "--variant", "defaults=", "hot=--lr 2e-3", "--seeds", "2",
            "--out", str(out), "--jobs", "2",
            "--base=--steps 2 --eval-every 1 --prompts-per-step 4 --group-size 2 --eval-prompts 16 --eval-samples 2"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)

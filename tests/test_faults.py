@@ -77,12 +77,12 @@ def one_line_error(fn, *args) -> str:
 
 
 def test_every_entry_point_checks_its_flags_and_inputs_before_loading_anything(tmp_path, capsys):
-    import bench
+    from tools import bench
     import dpo
     import eval_aime
     import logs
-    import recipe
-    import tasks
+    from tools import recipe
+    from demo import tasks
 
     ok = tmp_path / "ok.jsonl"
     ok.write_text('{"problem": "1+1", "answer": "2"}\n')
@@ -108,7 +108,7 @@ def test_every_entry_point_checks_its_flags_and_inputs_before_loading_anything(t
         (logs.main, ([str(tmp_path / "no-run")],), "no-run: no such run folder"),
         (logs.main, ([str(empty)],), f"{empty}: no metrics.jsonl"),
         (recipe.main, ([str(empty)],), f"{empty}: not a recipe folder"),
-        (tasks.main, (["sum", str(empty)],), "usage: python tasks.py sums|add DIR"),
+        (tasks.main, (["sum", str(empty)],), "usage: python demo/tasks.py sums|add DIR"),
         (bench.main, (bench.BenchConfig(steps=1),), "--steps 1: must be at least 2"),
         (bench.main, (bench.BenchConfig(group_size=1),), "--group-size 1"),
         (bench.main, (bench.BenchConfig(prompts=2, group_size=2, micro_batch=3),), "--micro-batch 3: must be positive and divide"),

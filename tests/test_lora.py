@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import bases
+from demo import bases
 import lora
 import model
 import rollout

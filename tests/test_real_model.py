@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import bases
+from demo import bases
 import data
 import distributed
 import grpo

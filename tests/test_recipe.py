@@ -16,13 +16,13 @@ from pathlib import Path
 
 import tyro
 
-import bases
+from demo import bases
 import data
 import eval_aime
 import model
-import recipe
+from tools import recipe
 import rollout
-import tasks
+from demo import tasks
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,11 +44,11 @@ def test_recipe_chain_runs_end_to_end(tmp_path):
     assert tok.chat_template and "<think>" in tok.decode(tok("<think>", add_special_tokens=False)["input_ids"])
     out = tmp_path / "recipe"
     cmds = recipe_commands(base, out)
-    assert [c[0] for c in cmds] == ["tasks.py", "eval_aime.py", "train.py", "eval_aime.py", "train.py",
-                                    "eval_aime.py", "train.py", "eval_aime.py", "recipe.py"]
+    assert [c[0] for c in cmds] == ["demo/tasks.py", "eval_aime.py", "train.py", "eval_aime.py", "train.py",
+                                    "eval_aime.py", "train.py", "eval_aime.py", "tools/recipe.py"]
     for cmd in cmds:
         script, args = cmd[0], cmd[1:]
-        if script == "tasks.py":
+        if script == "demo/tasks.py":
             tasks.main(args)
         elif script == "train.py":
             cfg = train.parse_args(args + ["--quiet"])

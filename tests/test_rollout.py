@@ -6,7 +6,7 @@ import torch
 import distributed
 import model
 import rollout
-import tasks
+from demo import tasks
 import train
 
 

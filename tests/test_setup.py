@@ -1,4 +1,4 @@
-"""`make`'s checks before it installs anything (check_setup.sh): the interpreter's version and, on a GPU machine,
+"""`make`'s checks before it installs anything (tools/check_setup.sh): the interpreter's version and, on a GPU machine,
 the NVIDIA driver. Each runs the real Makefile with `make -n` in a copy of it, with a stand-in interpreter or
 nvidia-smi first on PATH, so nothing is ever created or downloaded, even where a check would wrongly pass."""
 
@@ -23,7 +23,8 @@ def script(path: Path, body: str) -> Path:
 def make_n(tmp_path: Path, python: str, driver: str | None) -> subprocess.CompletedProcess:
     """`make -n demo` in a copy of the Makefile with PYTHON=python; driver: what a stand-in nvidia-smi reports
     (None: no nvidia-smi at all, a CPU machine)."""
-    for f in ("Makefile", "check_setup.sh", "requirements.txt", "requirements-cpu.txt"):
+    for f in ("Makefile", "tools/check_setup.sh", "requirements.txt", "requirements-cpu.txt"):
+        (tmp_path / f).parent.mkdir(exist_ok=True)
         shutil.copy(ROOT / f, tmp_path / f)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

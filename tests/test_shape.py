@@ -1,4 +1,4 @@
-"""The 1.5B shape (`--model r1-shape`, `python bench.py shape`): R1-Distill-Qwen-1.5B's config.json value for value,
+"""The 1.5B shape (`--model r1-shape`, `python tools/bench.py shape`): R1-Distill-Qwen-1.5B's config.json value for value,
 a tokenizer that decodes every one of its 151,936 ids after a save and load, a small build of the same shape, and
 the bench's prompts of an exact length. No vLLM engine, torchrun or training process: seconds."""
 
@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import bases
-import bench
+from demo import bases
+from tools import bench
 import data
 
 # deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B's config.json, the fields its shape and numerics depend on (the hub's

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import bases
+from demo import bases
 import distributed
 import dpo
 import model

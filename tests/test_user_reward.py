@@ -1,4 +1,4 @@
-"""--reward path/to/file.py:function (user_reward.py) and the example file my_reward.py: bad values end in one line
+"""--reward path/to/file.py:function (user_reward.py) and the example file demo/my_reward.py: bad values end in one line
 before anything loads; a reward that raises, hangs, spins, dies, prints or returns a non-number costs that sample 0
 and a counted warning, never the caller; train.py and eval_aime.py log the failures."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import eval_aime
-import my_reward
+from demo import my_reward
 import rollout
-import tasks
+from demo import tasks
 import train
 import user_reward
 from checks import UserError, one_line_errors
@@ -173,8 +173,8 @@ def test_example_rewards(fn, response, gold, expected):
 
 
 def test_example_file_passes_the_checks_and_agrees_with_exact_match_on_the_demo():
-    assert user_reward.checks("my_reward.py:number_match", 1.0) == []
-    fn = user_reward.load(str(ROOT / "my_reward.py") + ":number_match")
+    assert user_reward.checks("demo/my_reward.py:number_match", 1.0) == []
+    fn = user_reward.load(str(ROOT / "demo/my_reward.py") + ":number_match")
     for p in tasks.sum3_split()[1][:20]:  # a right answer and a careless one (a+b, the last digit forgotten)
         careless = str(sum(int(d) for d in p.prompt.rstrip("=").split("+")[:2]))
         assert fn(p.answer, p.answer) == 1.0 and fn(careless, p.answer) == float(careless == p.answer)

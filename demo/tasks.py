@@ -1,19 +1,19 @@
 """The demos' built-in tasks: the sum of three digits (the CPU demo, train.py and dpo.py with no data flags) and
 the chain sums (the math recipe in miniature, `make recipe`), each with the corpus its built-in base model is
-pretrained on (bases.py).
+pretrained on (demo/bases.py).
 
 What it does:
 - sum3_split: the demo's 1,000 prompts "a+b+c=" (digits; "3+9+4=" -> "16"), split once into RL-training and held-out
   prompts; noisy_corpus: the corpus from which the `tiny` base learns the task, with careless answers in it.
-- the chain sums (below): sums_split, the recipe's problems; `python tasks.py sums DIR` writes them as
+- the chain sums (below): sums_split, the recipe's problems; `python demo/tasks.py sums DIR` writes them as
   DIR/train.jsonl and DIR/heldout.jsonl (the files train.py --task math and eval_aime.py read); sums_corpus, the
   pretraining corpus of the `tiny-math` base, and the tokenizer's scaffolding (sums_scaffold_texts,
   SUMS_ADDED_TOKENS).
 - two-digit additions for the real model (`--model smollm2`, `make smollm2`): add_split, "What is 84 + 50?" ->
-  "134"; `python tasks.py add DIR` writes them the same way. SmolLM2-135M-Instruct answers a few of them right
+  "134"; `python demo/tasks.py add DIR` writes them the same way. SmolLM2-135M-Instruct answers a few of them right
   and seldom in \boxed{} (docs/smollm2.md): a task on which GRPO visibly learns in minutes on a CPU.
 
-What it does not do: anything a run on real data needs (data.py), score (reward.py), or build the bases (bases.py).
+What it does not do: anything a run on real data needs (data.py), score (reward.py), or build the bases (demo/bases.py).
 
 Why the sum3 task: from random initialization GRPO can barely learn arithmetic on a 2-layer model, and real RL
 starts from a pretrained base that already "knows" the answer with some probability. So the tiny base is pretrained
@@ -27,6 +27,8 @@ import json
 import random
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the core is one folder up
 
 from checks import check, one_line_errors
 from data import INSTRUCTION, Problem, math_prompt
@@ -195,7 +197,7 @@ TASKS = {"sums": (lambda: sums_split()[:2], "chain-sum"), "add": (add_split, "tw
 
 def main(argv: list[str]) -> None:
     check([(len(argv) == 2 and argv[0] in TASKS,
-            "usage: python tasks.py sums|add DIR   (writes DIR/train.jsonl and DIR/heldout.jsonl)")])
+            "usage: python demo/tasks.py sums|add DIR   (writes DIR/train.jsonl and DIR/heldout.jsonl)")])
     split, what = TASKS[argv[0]]
     write_problems(argv[1], *split(), what)
 

@@ -1,13 +1,13 @@
 """The math recipe in miniature's report (`make recipe`): one markdown table and one PNG from its run folder.
 
-What it does: `python recipe.py runs/recipe` reads what `make recipe` wrote (eval_aime.py's summary and samples for
+What it does: `python tools/recipe.py runs/recipe` reads what `make recipe` wrote (eval_aime.py's summary and samples for
 the base and after each stage, each stage's metrics.jsonl and config.json) and writes runs/recipe/recipe.md, a
 table with one row per model (held-out pass@1 with its 95% CI, how often the held-out answers are chains, lengths,
 truncation, reward and minutes per stage) and runs/recipe/recipe.png (training reward, response length against its
 cap, truncated fraction, held-out pass@1 across the three stages).
 
-What it does not do: run the recipe (the Makefile's `recipe` target does), or define its task (tasks.py: the chain
-sums) or its base (bases.py: tiny-math).
+What it does not do: run the recipe (the Makefile's `recipe` target does), or define its task (demo/tasks.py: the chain
+sums) or its base (demo/bases.py: tiny-math).
 """
 
 import json
@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 from matplotlib.figure import Figure  # a figure of its own, drawn to a file: no pyplot, no display backend
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the core is one folder up
 
 from checks import check, one_line_errors, writable
 from logs import read_rows, save_png
@@ -89,7 +91,7 @@ def recipe_report(folder: Path) -> str:
 
 
 def main(argv: list[str]) -> None:
-    check([(len(argv) == 1, "usage: python recipe.py FOLDER   (the folder `make recipe` writes: R=...)")])
+    check([(len(argv) == 1, "usage: python tools/recipe.py FOLDER   (the folder `make recipe` writes: R=...)")])
     folder = Path(argv[0])
     check([(folder.is_dir(), f"{folder}: no such folder"),
            ((folder / "eval_base.summary.json").is_file(),

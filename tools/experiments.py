@@ -2,18 +2,18 @@
 many runs at once as the cores allow, and report each variant's held-out pass@1 with its 95% CI over seeds, its
 difference to the first variant paired by seed (95% CI, p-value), the area under its held-out curve, and its time.
 
-    python experiments.py                                   # the loss family (docs/experiments.md): 4 x 5 seeds
-    python experiments.py --preset adv-scale                # another of the docs' tables
-    python experiments.py --variant "base=" "mine=--lr 1e-4 --leave-one-out" --seeds 5
-    python experiments.py --setup recipe --stage 2 --preset loo   # a stage of `make recipe`, from its checkpoint
-    python experiments.py --setup smollm2 --preset kl --seeds 3   # the real model (`make smollm2`), KL or not
-    python experiments.py --model smollm2 --variant "base=" "loo=--leave-one-out"   # any set-up, another model
+    python tools/experiments.py                                   # the loss family (docs/experiments.md): 4 x 5 seeds
+    python tools/experiments.py --preset adv-scale                # another of the docs' tables
+    python tools/experiments.py --variant "base=" "mine=--lr 1e-4 --leave-one-out" --seeds 5
+    python tools/experiments.py --setup recipe --stage 2 --preset loo   # a stage of `make recipe`, from its checkpoint
+    python tools/experiments.py --setup smollm2 --preset kl --seeds 3   # the real model (`make smollm2`), KL or not
+    python tools/experiments.py --model smollm2 --variant "base=" "loo=--leave-one-out"   # any set-up, another model
 
 What it does:
 - Each run is `python train.py SET-UP BASE VARIANT --seed S --out-dir OUT/runs/FLAGS/seedS --threads T --quiet`
   in a process of its own, --jobs at once (default: the cores / --threads). On a machine with GPUs each run gets
   one GPU of its own (CUDA_VISIBLE_DEVICES), so at most as many run at once as there are GPUs (train.py would
-  put every run on cuda:0 otherwise); `CUDA_VISIBLE_DEVICES= python experiments.py ...` runs them on the CPU.
+  put every run on cuda:0 otherwise); `CUDA_VISIBLE_DEVICES= python tools/experiments.py ...` runs them on the CPU.
   Run folders are named by their flags, not by the variant's name, so two tables that share a variant (the defaults) share its runs.
 - It resumes: a run whose metrics.jsonl holds its last step's held-out row is finished and never rerun; a run cut
   short continues from its newest checkpoint (train.py's own --resume); OUT/setup.json keeps the set-up's flags,
@@ -52,14 +52,16 @@ from typing import Literal
 import tyro
 from matplotlib.figure import Figure  # a figure of its own, drawn to a file: no pyplot, no display backend
 
-import bases
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the core is one folder up
+
 import logs
 import model
-import tasks
 import train
 from checks import UserError, one_line_errors
+from demo import bases
+from demo import tasks
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository: train.py, eval_aime.py
 
 # ----------------------------------------------------------------------------------------------------------------
 # Set-ups and the docs' comparisons
@@ -283,7 +285,7 @@ def setup_flags(cfg: ExpConfig) -> str:
     if cfg.setup == "smollm2":
         data = Path(cfg.smollm2_dir) / "data"
         if not (data / "train.jsonl").exists() or not (data / "heldout.jsonl").exists():
-            tasks.write_problems(str(data), *tasks.add_split(), "two-digit addition")  # `python tasks.py add DIR`
+            tasks.write_problems(str(data), *tasks.add_split(), "two-digit addition")  # `python demo/tasks.py add DIR`
         return smollm2_setup(cfg.smollm2_dir)
     d = cfg.recipe_dir
     need = Path(d) / "data" / "train.jsonl" if cfg.stage == 1 else Path(d) / f"s{cfg.stage - 1}" / "final"
@@ -566,7 +568,7 @@ def report(cfg: ExpConfig, out: Path, setup: str, variants, runs: list[Run], wal
     per_run = [figures(r) for r in done]
     stats = statistics(variants, per_run)
     name = cfg.name or ("compare" if cfg.variant else cfg.preset)
-    command = " ".join(["python experiments.py"] + [shlex.quote(a) for a in sys.argv[1:]])
+    command = " ".join(["python tools/experiments.py"] + [shlex.quote(a) for a in sys.argv[1:]])
     common = " ".join(x for x in (parse_variants(cfg)[0], f"--model {cfg.model}" if cfg.model else "", cfg.base,
                                   f"--reward {cfg.reward}" if cfg.reward else "") if x)
     jobs = jobs_at_once(cfg)
