@@ -1,21 +1,25 @@
-"""Checkpoints: saving a step, resuming from the newest readable one, and HF folders for transformers and vLLM.
+"""Checkpoints: saving a step, resuming from the newest readable one, and HF folders for
+transformers and vLLM.
 
 What it does:
-- save_step / resume: a checkpoint holds everything a resumed run needs to continue exactly: the shards of the
-  trainable parameters and their optimizer state (torch.distributed.checkpoint: each rank writes its own; with LoRA
-  only the adapters: the frozen base comes back from the model folder), and in one small file per rank what
-  must come back exactly: the LR schedule, the data order and position, the torch RNG. It is written to a
-  temporary folder and renamed into place only when complete, and only the newest --keep-checkpoints stay (write).
-  resume picks the newest checkpoint that can be read and says, in one line, why it skipped any newer one
-  (problem: cut short by a full disk, a partial copy; or a shard that holds more than tensors).
-- save_hf / export_hf: HF folders that transformers and vLLM load, from a live run (<out_dir>/final) or from any
-  saved step (`python train.py export CKPT OUT`, `python dpo.py export CKPT OUT`); a LoRA run's holds the merged
-  weights, and the adapters alone in peft's format in its adapter/ subfolder.
-- Loading is safe with files from elsewhere: each rank's file is read with torch.load(..., weights_only=True), so a
-  pickle that would run code is refused, and resume names it and uses the checkpoint before.
+- save_step / resume: a checkpoint holds everything a resumed run needs to continue exactly: the
+  shards of the trainable parameters and their optimizer state (torch.distributed.checkpoint: each
+  rank writes its own; with LoRA only the adapters: the frozen base comes back from the model
+  folder), and in one small file per rank what must come back exactly: the LR schedule, the data
+  order and position, the torch RNG. It is written to a temporary folder and renamed into place only
+  when complete, and only the newest --keep-checkpoints stay (write). resume picks the newest
+  checkpoint that can be read and says, in one line, why it skipped any newer one (problem: cut
+  short by a full disk, a partial copy; or a shard that holds more than tensors).
+- save_hf / export_hf: HF folders that transformers and vLLM load, from a live run (<out_dir>/final)
+  or from any saved step (`python train.py export CKPT OUT`, `python dpo.py export CKPT OUT`); a
+  LoRA run's holds the merged weights, and the adapters alone in peft's format in its adapter/
+  subfolder.
+- Loading is safe with files from elsewhere: each rank's file is read with torch.load(...,
+  weights_only=True), so a pickle that would run code is refused, and resume names it and uses the
+  checkpoint before.
 
-What it does not do: decide when to save (runtime.Run does: every --checkpoint-every steps, at the last, on
-Ctrl-C), or what the model is (model.load_trainable).
+What it does not do: decide when to save (runtime.Run does: every --checkpoint-every steps, at the
+last, on Ctrl-C), or what the model is (model.load_trainable).
 """
 
 import json
@@ -28,8 +32,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 import distributed
 import lora
@@ -38,23 +47,31 @@ from checks import UserError, check, writable
 
 # what a checkpoint holds of the model: its trainable parameters (all of them, or LoRA's adapters)
 SAVED = StateDictOptions(ignore_frozen_params=True)
-# loading then leaves the frozen ones as the model folder gave them (loaded() checks that only they are missing)
+# loading then leaves the frozen ones as the model folder gave them (loaded() checks that only they
+# are missing)
 LOADED = StateDictOptions(ignore_frozen_params=True, strict=False)
 
+
 def save_step(out: Path, step: int, policy, opt, sched, stream, meta: dict, keep: int) -> Path:
-    """<out>/checkpoints/step_NNNNNN: all a resumed run needs: model and optimizer shards, and on every rank the
-    LR schedule, the data order and position (data.PromptStream), and the torch RNG (write)."""
-    rank_state = dict(sched=sched.state_dict(), stream_rng=stream.rng.getstate(), stream_buf=stream.buf,
-                      torch_rng=torch.get_rng_state())
+    """<out>/checkpoints/step_NNNNNN: all a resumed run needs: model and optimizer shards, and on
+    every rank the LR schedule, the data order and position (data.PromptStream), and the torch RNG
+    (write)."""
+    rank_state = dict(
+        sched=sched.state_dict(),
+        stream_rng=stream.rng.getstate(),
+        stream_buf=stream.buf,
+        torch_rng=torch.get_rng_state(),
+    )
     return write(out / "checkpoints", step, policy, opt, meta, rank_state, keep=keep)
 
 
 def resume(folder: Path, policy, opt, sched, stream) -> tuple[Path, int] | None:
-    """Restore the newest checkpoint in `folder` that can be read; (its path, its step), or None to start fresh.
+    """Restore the newest checkpoint in `folder` that can be read; (its path, its step), or None to
+    start fresh.
 
-    A damaged checkpoint (a meta.json cut short by a full disk, a missing or unreadable shard) is skipped with one
-    line saying which and why, and the one before it is used; when none can be read the run starts as its flags
-    say, and says so (its metrics.jsonl starts over).
+    A damaged checkpoint (a meta.json cut short by a full disk, a missing or unreadable shard) is
+    skipped with one line saying which and why, and the one before it is used; when none can be read
+    the run starts as its flags say, and says so (its metrics.jsonl starts over).
     """
     skipped = []
     for ckpt in saved(folder)[::-1]:
@@ -62,7 +79,8 @@ def resume(folder: Path, policy, opt, sched, stream) -> tuple[Path, int] | None:
         if why is None:
             try:
                 meta, rank_state = load(ckpt, policy, opt)
-            except Exception as e:  # a torn shard: the model and optimizer are loaded again from an older one
+            # a torn shard: the model and optimizer are loaded again from an older one
+            except Exception as e:
                 why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         why = distributed.any_rank(why)
         if why is not None:
@@ -75,20 +93,22 @@ def resume(folder: Path, policy, opt, sched, stream) -> tuple[Path, int] | None:
         torch.set_rng_state(rank_state["torch_rng"])
         return ckpt, meta["step"]
     if skipped:
-        distributed.print0(f"no readable checkpoint in {folder}: starting from step 0 as the flags say (metrics "
-                           "start over)")
+        distributed.print0(
+            f"no readable checkpoint in {folder}: starting from step 0 as the flags say (metrics "
+            "start over)"
+        )
     return None
 
 
 def saved(folder: Path) -> list[Path]:
-    """The checkpoint folders (step_NNNNNN) in `folder`, oldest first. A save killed before its rename left only a
-    .tmp-step_NNNNNN folder, which is never listed."""
+    """The checkpoint folders (step_NNNNNN) in `folder`, oldest first. A save killed before its
+    rename left only a .tmp-step_NNNNNN folder, which is never listed."""
     return sorted(p for p in Path(folder).glob("step_*") if p.is_dir())
 
 
 def problem(path: Path) -> str | None:
-    """Why the checkpoint folder cannot be resumed from (a few words), or None when all its files are there and
-    its meta.json reads."""
+    """Why the checkpoint folder cannot be resumed from (a few words), or None when all its files
+    are there and its meta.json reads."""
     try:
         meta = json.loads((Path(path) / "meta.json").read_text())
     except FileNotFoundError:
@@ -106,9 +126,11 @@ def problem(path: Path) -> str | None:
 
 
 def write(folder: Path, step: int, policy, opt, meta: dict, rank_state: dict, keep: int) -> Path:
-    """folder/step_NNNNNN: sharded model and optimizer, `meta` (rank 0's JSON), `rank_state` (per rank, torch.save).
+    """folder/step_NNNNNN: sharded model and optimizer, `meta` (rank 0's JSON), `rank_state` (per
+    rank, torch.save).
 
-    Written as folder/.tmp-step_NNNNNN and renamed when every rank has finished; then only the newest `keep` stay.
+    Written as folder/.tmp-step_NNNNNN and renamed when every rank has finished; then only the
+    newest `keep` stay.
     """
     final, tmp = Path(folder) / f"step_{step:06d}", Path(folder) / f".tmp-step_{step:06d}"
     if distributed.is_main():
@@ -117,18 +139,26 @@ def write(folder: Path, step: int, policy, opt, meta: dict, rank_state: dict, ke
     distributed.barrier()
     model_sd, optim_sd = get_state_dict(policy, opt, options=SAVED)
     with _single_process_is_meant():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not distributed.in_group())
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=str(tmp),
+            no_dist=not distributed.in_group(),
+        )
     torch.save(rank_state, tmp / f"rank{distributed.rank()}.pt")
     distributed.barrier()
     if distributed.is_main():
         meta = dict(meta, step=step, world=distributed.world_size())
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # last: a folder with a meta.json is complete
+        # last: a folder with a meta.json is complete
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        # the newest `keep` up to this step stay; any later one is from a timeline this run replaced (it started
-        # over: --no-resume, or every checkpoint was damaged) and would be picked up by the next resume
+        # the newest `keep` up to this step stay; any later one is from a timeline this run replaced
+        # (it started over: --no-resume, or every checkpoint was damaged) and would be picked up by
+        # the next resume
         done = saved(folder)
-        for old in [c for c in done if c.name > final.name] + [c for c in done if c.name <= final.name][:-keep]:
+        for old in [c for c in done if c.name > final.name] + [
+            c for c in done if c.name <= final.name
+        ][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     distributed.barrier()
     return final
@@ -136,15 +166,17 @@ def write(folder: Path, step: int, policy, opt, meta: dict, rank_state: dict, ke
 
 @contextmanager
 def _single_process_is_meant():
-    """torch.distributed.checkpoint warns "torch.distributed is disabled ..." on every single-process save and load,
-    even when asked for one (no_dist=True): a line that tells a user nothing."""
+    """torch.distributed.checkpoint warns "torch.distributed is disabled ..." on every
+    single-process save and load, even when asked for one (no_dist=True): a line that tells a user
+    nothing."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
 def load(path: Path, policy, opt) -> tuple[dict, dict]:
-    """Loads the shards into `policy` (and `opt`, unless None) in place; returns (meta, this rank's state)."""
+    """Loads the shards into `policy` (and `opt`, unless None) in place; returns (meta, this rank's
+    state)."""
     if opt is None:
         state = {"model": get_model_state_dict(policy, options=SAVED)}
         with _single_process_is_meant():
@@ -155,33 +187,46 @@ def load(path: Path, policy, opt) -> tuple[dict, dict]:
         state = {"model": model_sd, "optim": optim_sd}
         with _single_process_is_meant():
             dcp.load(state, checkpoint_id=str(path), no_dist=not distributed.in_group())
-        loaded(set_state_dict(policy, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                              options=LOADED), policy)
+        loaded(
+            set_state_dict(
+                policy,
+                opt,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=LOADED,
+            ),
+            policy,
+        )
     meta = json.loads((Path(path) / "meta.json").read_text())
-    # weights_only: tensors and plain Python types only; a pickle that would run code (a checkpoint from someone
-    # else) is refused, and resume() names the checkpoint and skips it
+    # weights_only: tensors and plain Python types only; a pickle that would run code (a checkpoint
+    # from someone else) is refused, and resume() names the checkpoint and skips it
     try:
         return meta, torch.load(Path(path) / f"rank{distributed.rank()}.pt", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise pickle.UnpicklingError(f"rank{distributed.rank()}.pt holds more than tensors and plain Python values, "
-                                     "refused: loading it could run code") from e
+        raise pickle.UnpicklingError(
+            f"rank{distributed.rank()}.pt holds more than tensors and plain Python values, "
+            "refused: loading it could run code"
+        ) from e
 
 
 def loaded(keys, policy) -> None:
-    """After a load of the trainable parameters (SAVED): the keys it left missing must all be frozen ones, or the
-    checkpoint is of another model (another --lora-rank, say); an unexpected key says the same."""
+    """After a load of the trainable parameters (SAVED): the keys it left missing must all be frozen
+    ones, or the checkpoint is of another model (another --lora-rank, say); an unexpected key says
+    the same."""
     frozen = {n for n, p in policy.named_parameters() if not p.requires_grad}
     stray = [k for k in keys.missing_keys if k not in frozen] + list(keys.unexpected_keys)
     if stray:
-        raise UserError(f"the checkpoint does not fit this model ({stray[0]}): was it written with other flags "
-                        "(--lora-rank, --model)?")
+        raise UserError(
+            f"the checkpoint does not fit this model ({stray[0]}): was it written with other flags "
+            "(--lora-rank, --model)?"
+        )
 
 
 def save_hf(lm, tok, folder: Path) -> None:
-    """An HF checkpoint (config, safetensors, tokenizer) that transformers and vLLM load directly; for a LoRA
-    policy the merged weights, and the adapters alone in peft's format in folder/adapter (lora.save_adapter). A
-    collective under FSDP (every rank gathers, only rank 0 keeps a full copy); rank 0 writes it aside and renames
-    it into place, never half-written."""
+    """An HF checkpoint (config, safetensors, tokenizer) that transformers and vLLM load directly;
+    for a LoRA policy the merged weights, and the adapters alone in peft's format in folder/adapter
+    (lora.save_adapter). A collective under FSDP (every rank gathers, only rank 0 keeps a full
+    copy); rank 0 writes it aside and renames it into place, never half-written."""
     main = distributed.is_main()
     state = {name: t.cpu() for name, t in model.hf_weights(lm) if main}
     adapters = lora.adapter_state(lm) if lora.is_lora(lm) else None
@@ -198,21 +243,36 @@ def save_hf(lm, tok, folder: Path) -> None:
 
 
 def export_hf(argv: list[str], script: str) -> None:
-    """`python SCRIPT export RUN/checkpoints/step_NNNNNN OUT`: the HF checkpoint of any saved step (GRPO or DPO:
-    the run's start weights come from the config the checkpoint recorded)."""
-    check([(len(argv) == 3, f"usage: python {script} export RUN/checkpoints/step_NNNNNN OUT_FOLDER")])
+    """`python SCRIPT export RUN/checkpoints/step_NNNNNN OUT`: the HF checkpoint of any saved step
+    (GRPO or DPO: the run's start weights come from the config the checkpoint recorded)."""
+    check(
+        [(len(argv) == 3, f"usage: python {script} export RUN/checkpoints/step_NNNNNN OUT_FOLDER")]
+    )
     ckpt, out = Path(argv[1]), Path(argv[2])
     check([(ckpt.is_dir(), f"{ckpt}: no such checkpoint folder")])
     why = problem(ckpt)
-    check([(why is None, f"{ckpt}: not a readable checkpoint ({why})"),
-           (writable(out.parent), f"{out}: cannot be written")])
+    check(
+        [
+            (why is None, f"{ckpt}: not a readable checkpoint ({why})"),
+            (writable(out.parent), f"{out}: cannot be written"),
+        ]
+    )
     meta = json.loads((ckpt / "meta.json").read_text())
-    # the flags every run has (runtime.RunConfig); checkpoints written before they were grouped kept them flat
+    # the flags every run has (runtime.RunConfig); checkpoints written before they were grouped kept
+    # them flat
     run = meta["config"].get("run", meta["config"])
-    path = meta["config"].get("init_from") or model.resolve(run["model"])  # GRPO's --init-from, else --model
-    adapters = lora.Adapters(**{k: tuple(v) if isinstance(v, list) else v
-                                for k, v in meta["config"].get("lora", {}).items()})  # GRPO's --lora-*
-    policy = model.load_trainable(path, torch.device("cpu"), False, run["trust_remote_code"], adapters=adapters)
+    # GRPO's --init-from, else --model
+    path = meta["config"].get("init_from") or model.resolve(run["model"])
+    adapters = lora.Adapters(
+        **{
+            k: tuple(v) if isinstance(v, list) else v
+            # GRPO's --lora-*
+            for k, v in meta["config"].get("lora", {}).items()
+        }
+    )
+    policy = model.load_trainable(
+        path, torch.device("cpu"), False, run["trust_remote_code"], adapters=adapters
+    )
     load(ckpt, policy, None)
     save_hf(policy.lm, model.load_tokenizer(path, run["trust_remote_code"]), out)
     print(f"exported step {meta['step']} of {ckpt} to {out}")

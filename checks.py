@@ -1,11 +1,13 @@
-"""One-line errors: how a command says that a flag, an input file or a run is wrong, and how it ends then.
+"""One-line errors: how a command says that a flag, an input file or a run is wrong, and how it ends
+then.
 
-What it does: UserError is the exception for what the user has to fix (a flag, a file and its row, a run that
-cannot go on); its message is one line that names it. Library functions raise it, so a notebook that calls
-data.load_problems gets an exception it can catch, never an exit; only the entry points (train.py, dpo.py,
-eval_aime.py, logs.py, tools/recipe.py, demo/tasks.py, tools/bench.py) end the command with it: one_line_errors prints
-`error: <message>` on stderr and exits with status 2, or with 130 when a Ctrl-C stopped the run. check() raises the
-first failed (condition, message) of a list; writable() is the condition every output flag checks.
+What it does: UserError is the exception for what the user has to fix (a flag, a file and its row, a
+run that cannot go on); its message is one line that names it. Library functions raise it, so a
+notebook that calls data.load_problems gets an exception it can catch, never an exit; only the entry
+points (train.py, dpo.py, eval_aime.py, logs.py, tools/recipe.py, demo/tasks.py, tools/bench.py) end
+the command with it: one_line_errors prints `error: <message>` on stderr and exits with status 2, or
+with 130 when a Ctrl-C stopped the run. check() raises the first failed (condition, message) of a
+list; writable() is the condition every output flag checks.
 
 What it does not do: decide what is wrong (each entry point's validate, and data.py for files, do).
 """
@@ -16,7 +18,8 @@ from pathlib import Path
 
 
 class UserError(Exception):
-    """Something the user has to fix, named in one line: a flag and its value, a file and its row, a step."""
+    """Something the user has to fix, named in one line: a flag and its value, a file and its row, a
+    step."""
 
 
 def check(checks: list[tuple[bool, str]]) -> None:
@@ -27,8 +30,9 @@ def check(checks: list[tuple[bool, str]]) -> None:
 
 
 def one_line_errors(run) -> None:
-    """An entry point's end: a UserError becomes one line on stderr and exit status 2; a run stopped by Ctrl-C
-    (which has said where its checkpoint is) exits with status 130, the shell's code for SIGINT, no traceback."""
+    """An entry point's end: a UserError becomes one line on stderr and exit status 2; a run stopped
+    by Ctrl-C (which has said where its checkpoint is) exits with status 130, the shell's code for
+    SIGINT, no traceback."""
     try:
         run()
     except UserError as e:
@@ -39,7 +43,8 @@ def one_line_errors(run) -> None:
 
 
 def writable(folder: Path) -> bool:
-    """Whether `folder` exists as a writable folder, or could be created (its nearest existing parent is)."""
+    """Whether `folder` exists as a writable folder, or could be created (its nearest existing
+    parent is)."""
     folder = Path(folder).absolute()
     while not folder.exists():
         if folder.parent == folder:

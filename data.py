@@ -1,17 +1,21 @@
-"""Problems for training and evaluation: math datasets, their prompts, the held-out split and the prompt order.
+"""Problems for training and evaluation: math datasets, their prompts, the held-out split and the
+prompt order.
 
 What it does:
-- load_problems: problems from a local .jsonl, .json or .parquet file, or an HF dataset name through `datasets`
-  (where there is network), with the problem and answer field names as arguments. A missing field, an empty answer
-  or an unreadable row raises DataError, one line naming the file and the row (an entry point exits with it
-  before any model loads; a notebook can catch it). read_rows is the reader, which dpo.py's pairs use too.
-- math_prompt: DeepScaleR's prompt (the problem, then "Let's think step by step and output the final answer within
-  \\boxed{}."), through the tokenizer's chat template when it has one, or through a template file of the user's
-  (read_template).
-- split and PromptStream: the held-out split and the endless, seeded, resumable order of training rows.
+- load_problems: problems from a local .jsonl, .json or .parquet file, or an HF dataset name through
+  `datasets` (where there is network), with the problem and answer field names as arguments. A
+  missing field, an empty answer or an unreadable row raises DataError, one line naming the file and
+  the row (an entry point exits with it before any model loads; a notebook can catch it). read_rows
+  is the reader, which dpo.py's pairs use too.
+- math_prompt: DeepScaleR's prompt (the problem, then "Let's think step by step and output the final
+  answer within \\boxed{}."), through the tokenizer's chat template when it has one, or through a
+  template file of the user's (read_template).
+- split and PromptStream: the held-out split and the endless, seeded, resumable order of training
+  rows.
 
-What it does not do: the built-in tasks of the demos (demo/tasks.py: the sum of three digits, the chain sums), score
-(reward.py), or decide which prompts are too long (train.py does, and reports it).
+What it does not do: the built-in tasks of the demos (demo/tasks.py: the sum of three digits, the
+chain sums), score (reward.py), or decide which prompts are too long (train.py does, and reports
+it).
 """
 
 import json
@@ -31,7 +35,8 @@ class Problem:
 
 
 class DataError(UserError):
-    """Bad input data: one line that names the file and the row (an entry point exits with it, status 2)."""
+    """Bad input data: one line that names the file and the row (an entry point exits with it,
+    status 2)."""
 
 
 def read_rows(path: str):
@@ -39,7 +44,8 @@ def read_rows(path: str):
     p = Path(path)
     if p.suffix and not p.exists():
         raise DataError(f"{path}: no such file")
-    # utf-8-sig: a byte-order mark, as some editors save, is read as nothing; CRLF line ends are read as LF
+    # utf-8-sig: a byte-order mark, as some editors save, is read as nothing; CRLF line ends are
+    # read as LF
     if p.suffix == ".jsonl":
         try:
             lines = p.read_text(encoding="utf-8-sig").splitlines()
@@ -62,29 +68,42 @@ def read_rows(path: str):
             raise DataError(f"{path}: expected a JSON list of objects")
         yield from enumerate(rows, 1)
     elif p.suffix == ".parquet":
-        import pyarrow.parquet as pq  # here, not at the top: only .parquet files need it (it comes with datasets)
+        # here, not at the top: only .parquet files need it (it comes with datasets)
+        import pyarrow.parquet as pq
 
         yield from enumerate(pq.read_table(p).to_pylist(), 1)
     elif p.exists() or p.suffix:
         raise DataError(f"{path}: unknown file type (use .jsonl, .json or .parquet)")
     else:
         try:
-            import datasets  # here, not at the top: optional (only HF dataset names need it), and slow to import
+            # here, not at the top: optional (only HF dataset names need it), and slow to import
+            import datasets
         except ImportError:
-            raise DataError(f"{path}: not a file, and the 'datasets' package for HF dataset names is not installed")
+            raise DataError(
+                f"{path}: not a file, and the 'datasets' package for HF dataset names is not "
+                "installed"
+            )
         name, _, split = path.partition(":")
         yield from enumerate(datasets.load_dataset(name, split=split or "train"), 1)
 
 
-def load_problems(path: str, problem_field: str = "problem", answer_field: str = "answer") -> list[Problem]:
-    """Problems from a file or an HF dataset (read_rows); a bad row raises DataError naming the file and the row."""
+def load_problems(
+    path: str, problem_field: str = "problem", answer_field: str = "answer"
+) -> list[Problem]:
+    """Problems from a file or an HF dataset (read_rows); a bad row raises DataError naming the file
+    and the row."""
     problems = []
     for i, row in read_rows(path):
         if not isinstance(row, dict):
-            raise DataError(f"{path}: row {i}: expected an object with fields {problem_field!r} and {answer_field!r}")
+            raise DataError(
+                f"{path}: row {i}: expected an object with fields {problem_field!r} and "
+                f"{answer_field!r}"
+            )
         for field in (problem_field, answer_field):
             if field not in row:
-                raise DataError(f"{path}: row {i}: missing field {field!r} (fields: {', '.join(map(str, row))})")
+                raise DataError(
+                    f"{path}: row {i}: missing field {field!r} (fields: {', '.join(map(str, row))})"
+                )
             if row[field] is None or not str(row[field]).strip():
                 raise DataError(f"{path}: row {i}: empty {field!r}")
         problems.append(Problem(str(row[problem_field]), str(row[answer_field]).strip()))
@@ -94,7 +113,8 @@ def load_problems(path: str, problem_field: str = "problem", answer_field: str =
 
 
 def split(items: list, val_fraction: float, seed: int = 0) -> tuple[list, list]:
-    """(train, validation) of any rows (problems, preference pairs): a seeded shuffle, val_fraction held out."""
+    """(train, validation) of any rows (problems, preference pairs): a seeded shuffle, val_fraction
+    held out."""
     order = list(range(len(items)))
     random.Random(seed).shuffle(order)
     n_val = int(round(len(items) * val_fraction))
@@ -102,8 +122,9 @@ def split(items: list, val_fraction: float, seed: int = 0) -> tuple[list, list]:
 
 
 class PromptStream:
-    """Endless shuffled epochs over a training set's indices; every rank holds the same order (same seed). Its
-    rng and position (buf) go into checkpoints, so a resumed run draws what the uninterrupted one would have."""
+    """Endless shuffled epochs over a training set's indices; every rank holds the same order (same
+    seed). Its rng and position (buf) go into checkpoints, so a resumed run draws what the
+    uninterrupted one would have."""
 
     def __init__(self, n: int, seed: int):
         self.n, self.rng, self.buf = n, random.Random(seed), []
@@ -118,7 +139,8 @@ class PromptStream:
 
 
 def read_template(path: str) -> str | None:
-    """The text of a --prompt-template file (None for ""): it must hold {problem}, where each problem goes."""
+    """The text of a --prompt-template file (None for ""): it must hold {problem}, where each
+    problem goes."""
     if not path:
         return None
     p = Path(path)
@@ -129,20 +151,29 @@ def read_template(path: str) -> str | None:
     except UnicodeDecodeError as e:
         raise DataError(f"--prompt-template {path}: not UTF-8 text (byte {e.start})")
     if "{problem}" not in text:
-        raise DataError(f"--prompt-template {path}: no {{problem}} in it, so every prompt would be the same")
+        raise DataError(
+            f"--prompt-template {path}: no {{problem}} in it, so every prompt would be the same"
+        )
     try:
         text.format(problem="")
     except (KeyError, IndexError, ValueError) as e:
-        raise DataError(f"--prompt-template {path}: braces other than {{problem}} must be doubled ({e!r})")
+        raise DataError(
+            f"--prompt-template {path}: braces other than {{problem}} must be doubled ({e!r})"
+        )
     return text
 
 
 def math_prompt(tok, problem: str, template: str | None = None) -> list[int]:
-    """Token ids of DeepScaleR's prompt; `template` (text with {problem}) replaces instruction and chat template."""
+    """Token ids of DeepScaleR's prompt; `template` (text with {problem}) replaces instruction and
+    chat template."""
     if template is not None:
         return tok(template.format(problem=problem))["input_ids"]
     text = f"{problem} {INSTRUCTION}"
     if tok.chat_template:
-        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                                       return_dict=False)
+        return tok.apply_chat_template(
+            [{"role": "user", "content": text}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
     return tok(text)["input_ids"]

@@ -1,27 +1,34 @@
-"""Processes: the process group, FSDP2 sharding, full-weight streaming for the refit, and reductions.
+"""Processes: the process group, FSDP2 sharding, full-weight streaming for the refit, and
+reductions.
 
 What it does:
-- init: the process group from torchrun's environment with a timeout, so a rank stuck in a collective errors out
-  instead of hanging forever (when a rank *dies*, torchrun stops the others). On GPU one group carries both kinds
-  of tensor: NCCL for CUDA tensors, gloo for the CPU tensors every reduction of the loop's bookkeeping uses.
-- shard: FSDP2 (`fully_shard`) on every decoder layer and on the root, parameters, gathers and gradients all in
-  float32; bf16 compute comes from autocast around the forward (runtime.autocast), the same at every world size.
-  Every rank's loss is already divided by the global token count (grpo.py), so the global-batch gradient is the
-  *sum* over ranks (see loss_scale), at any world size. Optional activation checkpointing (HF's, which keeps
-  parameter names unchanged).
-- full_weights: the model's full tensors, gathered from the shards in buckets bounded in bytes as they are
-  consumed (cast before the gather, so a bf16 engine's refit moves half the bytes), so the refit never holds a
-  second full copy of the model beside vLLM's.
-- reductions (sum, max, grad-norm clipping) that are no-ops in a single process, and rank-0 printing.
-- sum_over_ranks: dataclasses of metric sums (a step's, a micro-batch's), each field summed over ranks at once.
-- micro_batches: token-budget micro-batches, the same number on every rank (FSDP's collectives need it).
-- reuse_freed_memory: on CPU, glibc keeps freed memory for the next step instead of returning it to the kernel.
+- init: the process group from torchrun's environment with a timeout, so a rank stuck in a
+  collective errors out instead of hanging forever (when a rank *dies*, torchrun stops the others).
+  On GPU one group carries both kinds of tensor: NCCL for CUDA tensors, gloo for the CPU tensors
+  every reduction of the loop's bookkeeping uses.
+- shard: FSDP2 (`fully_shard`) on every decoder layer and on the root, parameters, gathers and
+  gradients all in float32; bf16 compute comes from autocast around the forward (runtime.autocast),
+  the same at every world size. Every rank's loss is already divided by the global token count
+  (grpo.py), so the global-batch gradient is the *sum* over ranks (see loss_scale), at any world
+  size. Optional activation checkpointing (HF's, which keeps parameter names unchanged).
+- full_weights: the model's full tensors, gathered from the shards in buckets bounded in bytes as
+  they are consumed (cast before the gather, so a bf16 engine's refit moves half the bytes), so the
+  refit never holds a second full copy of the model beside vLLM's.
+- reductions (sum, max, grad-norm clipping) that are no-ops in a single process, and rank-0
+  printing.
+- sum_over_ranks: dataclasses of metric sums (a step's, a micro-batch's), each field summed over
+  ranks at once.
+- micro_batches: token-budget micro-batches, the same number on every rank (FSDP's collectives need
+  it).
+- reuse_freed_memory: on CPU, glibc keeps freed memory for the next step instead of returning it to
+  the kernel.
 - close: the end of a run's distributed state, the engine first.
 
-Imported as `distributed` (never `dist`, which reads as torch.distributed; this file imports torch's as `dist`).
+Imported as `distributed` (never `dist`, which reads as torch.distributed; this file imports torch's
+as `dist`).
 
-What it does not do: decide what to shard beyond "each decoder layer", or checkpoints (checkpoint.py writes and
-reads the shards through torch.distributed.checkpoint).
+What it does not do: decide what to shard beyond "each decoder layer", or checkpoints (checkpoint.py
+writes and reads the shards through torch.distributed.checkpoint).
 """
 
 import ctypes
@@ -36,20 +43,23 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-_OURS = False  # vLLM starts a world-size-1 process group of its own in a single process: never destroy that one
+# vLLM starts a world-size-1 process group of its own in a single process: never destroy that one
+_OURS = False
 _RANK, _WORLD = 0, 1  # kept after close(): a rank still knows who it is once the group is gone
 
 
 def backend(cuda: bool) -> str:
-    """The process group's backends by device. An NCCL group alone carries only CUDA tensors, and the loop reduces
-    CPU tensors (counts, metrics, flags) on every step: on GPU the group needs gloo beside NCCL."""
+    """The process group's backends by device. An NCCL group alone carries only CUDA tensors, and
+    the loop reduces CPU tensors (counts, metrics, flags) on every step: on GPU the group needs gloo
+    beside NCCL."""
     return "cpu:gloo,cuda:nccl" if cuda else "cpu:gloo"
 
 
 def init(timeout_s: int = 1800) -> tuple[int, int]:
-    """(rank, world_size); starts the process group when launched by torchrun (see backend), even for one process:
-    `torchrun --nproc_per_node 1` then runs the multi-rank path (the group, FSDP2, distributed checkpoints) on one
-    device, which is how a one-GPU machine checks it. A plain `python train.py` starts none."""
+    """(rank, world_size); starts the process group when launched by torchrun (see backend), even
+    for one process: `torchrun --nproc_per_node 1` then runs the multi-rank path (the group, FSDP2,
+    distributed checkpoints) on one device, which is how a one-GPU machine checks it. A plain
+    `python train.py` starts none."""
     global _OURS, _RANK, _WORLD
     if "TORCHELASTIC_RUN_ID" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return 0, 1
@@ -58,25 +68,30 @@ def init(timeout_s: int = 1800) -> tuple[int, int]:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else None
         if cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group(backend(cuda), timeout=datetime.timedelta(seconds=timeout_s), device_id=device)
+        dist.init_process_group(
+            backend(cuda), timeout=datetime.timedelta(seconds=timeout_s), device_id=device
+        )
         _OURS = True
     _RANK, _WORLD = dist.get_rank(), dist.get_world_size()
     return _RANK, _WORLD
 
 
 def local_world_size() -> int:
-    """Processes on this node (torchrun's LOCAL_WORLD_SIZE; 1 outside torchrun): they share its cores."""
+    """Processes on this node (torchrun's LOCAL_WORLD_SIZE; 1 outside torchrun): they share its
+    cores."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def reuse_freed_memory() -> bool:
-    """Make glibc's malloc keep freed memory in its heap for reuse, instead of returning it to the kernel.
+    """Make glibc's malloc keep freed memory in its heap for reuse, instead of returning it to the
+    kernel.
 
-    Why: on CPU PyTorch has no caching allocator. Every activation is a fresh malloc, glibc serves the large ones
-    with mmap and frees them with munmap, so every step page-faults all of its activation memory in again, each
-    4 KiB page zeroed by the kernel (about a tenth of an update's time: docs/speed.md). With no mmap and no
-    trimming the heap grows to the peak once and every later step reuses it; the cost is a slightly higher peak,
-    not given back between steps. Process-wide; a no-op (False) where libc is not glibc.
+    Why: on CPU PyTorch has no caching allocator. Every activation is a fresh malloc, glibc serves
+    the large ones with mmap and frees them with munmap, so every step page-faults all of its
+    activation memory in again, each 4 KiB page zeroed by the kernel (about a tenth of an update's
+    time: docs/speed.md). With no mmap and no trimming the heap grows to the peak once and every
+    later step reuses it; the cost is a slightly higher peak, not given back between steps.
+    Process-wide; a no-op (False) where libc is not glibc.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -87,7 +102,8 @@ def reuse_freed_memory() -> bool:
 
 
 def in_group() -> bool:
-    """Whether init started a process group (torchrun, more than one rank): collectives then cross processes."""
+    """Whether init started a process group (torchrun, more than one rank): collectives then cross
+    processes."""
     return _OURS
 
 
@@ -122,24 +138,28 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
 
 
 def sum_over_ranks(*parts):
-    """Dataclasses of numbers (this rank's metric sums), each field summed over every rank in one collective:
-    new instances of the same classes, fields as floats. Sums in float64, so counts of tokens stay exact."""
+    """Dataclasses of numbers (this rank's metric sums), each field summed over every rank in one
+    collective: new instances of the same classes, fields as floats. Sums in float64, so counts of
+    tokens stay exact."""
     values = [float(getattr(p, f.name)) for p in parts for f in fields(p)]
     total = iter(all_reduce_sum(torch.tensor(values, dtype=torch.float64)).tolist())
     return tuple(type(p)(**{f.name: next(total) for f in fields(p)}) for p in parts)
 
 
 def shard(root: torch.nn.Module, lm: torch.nn.Module, checkpointing: bool) -> torch.nn.Module:
-    """FSDP2 over the ranks (a no-op for one process): each decoder layer of the HF model `lm`, then `root` (the
-    module whose forward the trainer calls, model.LogprobModel). Optional activation checkpointing.
+    """FSDP2 over the ranks (a no-op for one process): each decoder layer of the HF model `lm`, then
+    `root` (the module whose forward the trainer calls, model.LogprobModel). Optional activation
+    checkpointing.
 
-    `root` may still be on the CPU: fully_shard moves one module's parameters at a time to this rank's device and
-    keeps its shard, so no GPU ever holds the whole model. Everything stays float32 (FSDP's default policy):
-    bf16 compute is autocast's, as in one process, so one GPU and eight train the same numerics; the price is
-    all-gathers of float32 (twice bf16's bytes). FSDP2 never reshards the root after its forward (it expects the
-    backward next); after a forward without grad (old or reference logprobs, evaluation) nothing follows, so the
-    hook below reshards it, or the root's full embedding, norm and LM head would stay gathered until the next
-    backward (all run long for the frozen reference) and named_parameters() would show the gathered tensors.
+    `root` may still be on the CPU: fully_shard moves one module's parameters at a time to this
+    rank's device and keeps its shard, so no GPU ever holds the whole model. Everything stays
+    float32 (FSDP's default
+    policy): bf16 compute is autocast's, as in one process, so one GPU and eight train the same
+    numerics; the price is all-gathers of float32 (twice bf16's bytes). FSDP2 never reshards the
+    root after its forward (it expects the backward next); after a forward without grad (old or
+    reference logprobs, evaluation) nothing follows, so the hook below reshards it, or the root's
+    full embedding, norm and LM head would stay gathered until the next backward (all run long for
+    the frozen reference) and named_parameters() would show the gathered tensors.
     """
     if checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -149,29 +169,33 @@ def shard(root: torch.nn.Module, lm: torch.nn.Module, checkpointing: bool) -> to
     for layer in lm.get_decoder().layers:
         fully_shard(layer)
     fully_shard(root)
-    root.register_forward_hook(lambda module, args, out: None if torch.is_grad_enabled() else module.reshard())
+    root.register_forward_hook(
+        lambda module, args, out: None if torch.is_grad_enabled() else module.reshard()
+    )
     return root
 
 
 @contextmanager
 def gradient_sync(model: torch.nn.Module, sync: bool):
-    """Under FSDP, reduce-scatter gradients only when `sync` (the last micro-batch of a minibatch): the earlier ones
-    accumulate in full (unsharded) gradients, so a minibatch costs one reduction, not one per micro-batch. The
-    price is one full float32 copy of the gradients while a minibatch accumulates (memory.py counts it)."""
+    """Under FSDP, reduce-scatter gradients only when `sync` (the last micro-batch of a minibatch):
+    the earlier ones accumulate in full (unsharded) gradients, so a minibatch costs one reduction,
+    not one per micro-batch. The price is one full float32 copy of the gradients while a minibatch
+    accumulates (memory.py counts it)."""
     if _OURS and hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(sync)
     yield
 
 
 def micro_batches(lengths: list[int], rows: list[int], token_budget: int) -> list[list[int]]:
-    """`rows` in micro-batches whose padded size (rows x longest) stays within the token budget, padded with
-    empty micro-batches ([]) so that every rank runs the same number of forward/backward passes.
+    """`rows` in micro-batches whose padded size (rows x longest) stays within the token budget,
+    padded with empty micro-batches ([]) so that every rank runs the same number of forward/backward
+    passes.
 
-    Longest first, so each micro-batch holds sequences of similar length and padding is small; a sequence longer
-    than the budget gets a micro-batch of its own; every row lands in exactly one. The padding is for FSDP: each
-    forward all-gathers parameters and each backward reduce-scatters gradients, so a rank that ran one pass fewer
-    would leave the others waiting forever. The caller runs an empty micro-batch as one row with zero weight.
-    A collective: every rank calls it.
+    Longest first, so each micro-batch holds sequences of similar length and padding is small; a
+    sequence longer than the budget gets a micro-batch of its own; every row lands in exactly one.
+    The padding is for FSDP: each forward all-gathers parameters and each backward reduce-scatters
+    gradients, so a rank that ran one pass fewer would leave the others waiting forever. The caller
+    runs an empty micro-batch as one row with zero weight. A collective: every rank calls it.
     """
     out: list[list[int]] = []
     for r in sorted(rows, key=lambda r: -lengths[r]):
@@ -184,7 +208,8 @@ def micro_batches(lengths: list[int], rows: list[int], token_budget: int) -> lis
 
 
 def share(items: list, group: int | None = None, groups: int | None = None) -> tuple[int, int]:
-    """[first, last) of this rank's contiguous share of `items` (or of group `group` of `groups`)."""
+    """[first, last) of this rank's contiguous share of `items` (or of group `group` of
+    `groups`)."""
     group, groups = (rank(), world_size()) if group is None else (group, groups)
     return group * len(items) // groups, (group + 1) * len(items) // groups
 
@@ -192,32 +217,41 @@ def share(items: list, group: int | None = None, groups: int | None = None) -> t
 def loss_scale() -> float:
     """Multiply each rank's loss by this before backward.
 
-    FSDP averages gradients over ranks, but every rank's loss is already divided by the *global* token count, so
-    the global-batch gradient is the sum: scaling by the world size turns FSDP's average into that sum.
-    (set_gradient_divide_factor(1.0) would say the same, but gloo lacks the PREMUL_SUM reduction it needs.)
+    FSDP averages gradients over ranks, but every rank's loss is already divided by the *global*
+    token count, so the global-batch gradient is the sum: scaling by the world size turns FSDP's
+    average into that sum. (set_gradient_divide_factor(1.0) would say the same, but gloo lacks the
+    PREMUL_SUM reduction it needs.)
     """
     return float(world_size())
 
 
-def full_weights(model: torch.nn.Module, dtype: torch.dtype | None = None,
-                 bucket_bytes: int = 256 * 2**20) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every parameter, gathered from the FSDP shards in buckets of at most
-    `bucket_bytes` (or one tensor, if a single tensor is larger): the refit never holds more than one bucket of
-    full tensors beside the engine's weights, never a second full copy of the model.
+def full_weights(
+    model: torch.nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = 256 * 2**20
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every parameter, gathered from the FSDP shards in buckets of at
+    most `bucket_bytes` (or one tensor, if a single tensor is larger): the refit never holds more
+    than one bucket of full tensors beside the engine's weights, never a second full copy of the
+    model.
 
-    Every rank must consume the iterator completely and in the same order (each gather is a collective). `dtype`
-    casts each shard before its gather: the engine's dtype travels, not the float32 master weights.
+    Every rank must consume the iterator completely and in the same order (each gather is a
+    collective). `dtype` casts each shard before its gather: the engine's dtype travels, not the
+    float32 master weights.
     """
     return full_tensors(model.named_parameters(), dtype, bucket_bytes)
 
 
-def full_tensors(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
-                 bucket_bytes: int = 256 * 2**20) -> Iterator[tuple[str, torch.Tensor]]:
-    """full_weights for any (name, tensor or sharded DTensor) pairs, e.g. LoRA's merged shards (lora.merged)."""
+def full_tensors(
+    named: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int = 256 * 2**20,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """full_weights for any (name, tensor or sharded DTensor) pairs, e.g. LoRA's merged shards
+    (lora.merged)."""
     bucket, size = [], 0
     for name, p in named:
         t = p.detach() if dtype is None else p.detach().to(dtype)
-        nbytes = t.numel() * t.element_size()  # of the full tensor (a DTensor's numel is the full tensor's)
+        # of the full tensor (a DTensor's numel is the full tensor's)
+        nbytes = t.numel() * t.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield from bucket
             bucket, size = [], 0
@@ -227,8 +261,9 @@ def full_tensors(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype |
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full state dict on CPU, with HF parameter names, on rank 0 ({} on the others, which only take part in
-    the gathers): a collective under FSDP, and never a full copy of the model on every rank."""
+    """The full state dict on CPU, with HF parameter names, on rank 0 ({} on the others, which only
+    take part in the gathers): a collective under FSDP, and never a full copy of the model on every
+    rank."""
     main = is_main()
     return {name: t.cpu() for name, t in full_weights(model) if main}
 
@@ -245,16 +280,18 @@ def barrier() -> None:
 
 
 def any_rank(problem: str | None) -> str | None:
-    """`problem` where this rank has one; else a note when another rank has one; else None. All ranks agree."""
+    """`problem` where this rank has one; else a note when another rank has one; else None. All
+    ranks agree."""
     others = all_reduce_max(torch.tensor([float(problem is not None)])).item() > 0
     return problem or ("failed on another rank" if others else None)
 
 
 def close(engine=None) -> None:
-    """The end of a run's distributed state, in the one order that ends without tracebacks: the rollout engine
-    (if this process owns one) shuts down first, while the process group it shares is still up. vLLM's shutdown
-    destroys its own groups and then the default group (`cleanup_dist_env_and_memory`); the other way round, its
-    groups would outlive the default one and every rank would print "Invalid process group specified" at exit."""
+    """The end of a run's distributed state, in the one order that ends without tracebacks: the
+    rollout engine (if this process owns one) shuts down first, while the process group it shares is
+    still up. vLLM's shutdown destroys its own groups and then the default group
+    (`cleanup_dist_env_and_memory`); the other way round, its groups would outlive the default one
+    and every rank would print "Invalid process group specified" at exit."""
     if engine is not None:
         engine.close()
     if _OURS and dist.is_initialized():
@@ -262,7 +299,8 @@ def close(engine=None) -> None:
 
 
 def gather_to_main(obj) -> list:
-    """[obj of rank 0, obj of rank 1, ...] on rank 0 (picklable objects; a collective), [] elsewhere; [obj] alone."""
+    """[obj of rank 0, obj of rank 1, ...] on rank 0 (picklable objects; a collective), []
+    elsewhere; [obj] alone."""
     if not _OURS:
         return [obj]
     out = [None] * world_size() if is_main() else None

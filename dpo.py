@@ -1,26 +1,33 @@
-"""DPO beside GRPO: offline preference training. `python dpo.py` runs the CPU demo; `--help` lists every flag.
+"""DPO beside GRPO: offline preference training. `python dpo.py` runs the CPU demo; `--help` lists
+every flag.
 
-What it does: trains a policy on (prompt, chosen, rejected) pairs with the DPO loss (Rafailov et al. 2023), its
-label-smoothed "conservative" variant, or IPO (Azar et al. 2023), against a frozen reference model (the start
-weights). Everything else is GRPO's machinery, reused: model.py's chunked per-token logprobs, distributed.py's
-FSDP2 sharding, token-budget micro-batches and global-normalizer reductions, runtime.py's flags every run has and
-its run skeleton (resume, evaluation cadence, checkpoints, Ctrl-C, the final weights), eval_aime.py's held-out
-accuracy. Compared with train.py, what is *gone* is the whole online half (generation, rewards, advantages,
-refit): the data are fixed pairs, and the "reward" is implicit in the log-ratio between policy and reference. What
-is *new* is one loss and one data loader.
+What it does: trains a policy on (prompt, chosen, rejected) pairs with the DPO loss (Rafailov et al.
+2023), its label-smoothed "conservative" variant, or IPO (Azar et al. 2023), against a frozen
+reference model (the start weights). Everything else is GRPO's machinery, reused: model.py's chunked
+per-token logprobs, distributed.py's FSDP2 sharding, token-budget micro-batches and
+global-normalizer reductions, runtime.py's flags every run has and its run skeleton (resume,
+evaluation cadence, checkpoints, Ctrl-C, the final weights), eval_aime.py's held-out accuracy.
+Compared with train.py, what is *gone* is the whole online half (generation, rewards, advantages,
+refit): the data are fixed pairs, and the "reward" is implicit in the log-ratio between policy and
+reference. What is *new* is one loss and one data loader.
 
-    h_i    = [log pi(y_c|x) - log pi_ref(y_c|x)] - [log pi(y_r|x) - log pi_ref(y_r|x)]   (log-ratio margin)
-    DPO    : l_i = -(1 - eps) log sigmoid(beta h_i) - eps log sigmoid(-beta h_i)          (eps = label smoothing)
-    IPO    : l_i = (h_i - 1 / (2 beta))^2, with log pi = the *mean* over response tokens (IPO paper, TRL)
+    h_i    = [log pi(y_c|x) - log pi_ref(y_c|x)] - [log pi(y_r|x) - log pi_ref(y_r|x)]
+                                                                     (log-ratio margin)
+    DPO    : l_i = -(1 - eps) log sigmoid(beta h_i) - eps log sigmoid(-beta h_i)
+                                                                     (eps = label smoothing)
+    IPO    : l_i = (h_i - 1 / (2 beta))^2, with log pi = the *mean* over response tokens
+                                                                     (IPO paper, TRL)
     loss   = sum over the global batch of l_i / number of pairs in the global batch
 
-The demo (no --data): the built-in tiny base model (pretrained with 65% careless "a+b" answers to "a+b+c=") on a
-synthetic preference set: chosen = the right sum, rejected = the careless a+b or another wrong number (two pairs
-per prompt). It reports held-out preference accuracy (pairs of the 200 held-out prompts) and held-out task
-accuracy (greedy and pass@1 over 4 samples at T = 1, the same figures as GRPO's demo, via rollout.HFEngine).
+The demo (no --data): the built-in tiny base model (pretrained with 65% careless "a+b" answers to
+"a+b+c=") on a synthetic preference set: chosen = the right sum, rejected = the careless a+b or
+another wrong number (two pairs per prompt). It reports held-out preference accuracy (pairs of the
+200 held-out prompts) and held-out task accuracy (greedy and pass@1 over 4 samples at T = 1, the
+same figures as GRPO's demo, via rollout.HFEngine).
 
-What it does not do: generate during training (DPO is offline), reward models, or multi-turn losses (only the
-last assistant message of a conversation is the response). `python dpo.py export CKPT OUT` exports a saved step.
+What it does not do: generate during training (DPO is offline), reward models, or multi-turn losses
+(only the last assistant message of a conversation is the response). `python dpo.py export CKPT OUT`
+exports a saved step.
 """
 
 import random
@@ -47,37 +54,44 @@ from demo import tasks
 
 @dataclass
 class DPOConfig:
-    """DPO's flags. The flags every training run has (`run`: runtime.RunConfig: --model, --data, --steps, --lr, ...)
-    are a dataclass of their own, with three defaults of DPO's; on the command line all flags are flat."""
+    """DPO's flags. The flags every training run has (`run`: runtime.RunConfig: --model, --data,
+    --steps, --lr, ...) are a dataclass of their own, with three defaults of DPO's; on the command
+    line all flags are flat."""
 
     # preference data (--data, --val-data and --val-fraction are run options)
     prompt_field: str = "prompt"  # field of the prompt (a string, or a list of chat messages)
-    chosen_field: str = "chosen"  # field of the preferred response (a string, or messages ending in the assistant's)
+    # field of the preferred response (a string, or messages ending in the assistant's)
+    chosen_field: str = "chosen"
     rejected_field: str = "rejected"  # field of the dispreferred response (same forms)
     # loss
-    loss: Literal["dpo", "ipo"] = "dpo"  # DPO (sigmoid) or IPO (squared, per-token-averaged logprobs)
-    beta: float = 0.1  # strength of the tie to the reference model (DPO's KL coefficient; IPO's target 1/(2 beta))
-    label_smoothing: float = 0.0  # DPO only: probability eps that a label is flipped (conservative DPO), in [0, 0.5)
+    # DPO (sigmoid) or IPO (squared, per-token-averaged logprobs)
+    loss: Literal["dpo", "ipo"] = "dpo"
+    # strength of the tie to the reference model (DPO's KL coefficient; IPO's target 1/(2 beta))
+    beta: float = 0.1
+    # DPO only: probability eps that a label is flipped (conservative DPO), in [0, 0.5)
+    label_smoothing: float = 0.0
     # batch
     batch_size: int = 64  # pairs per optimizer step, over all ranks
-    max_seq_len: int = 64  # prompt + the longer response; longer pairs are dropped, counted and reported
+    # prompt + the longer response; longer pairs are dropped, counted and reported
+    max_seq_len: int = 64
     max_new_tokens: int = 8  # sum3 demo: response length limit of the held-out generations
-    run: runtime.RunConfig = field(default_factory=lambda: runtime.RunConfig(lr=1e-4, weight_decay=0.0,
-                                                                               dist_timeout_s=600))
+    run: runtime.RunConfig = field(
+        default_factory=lambda: runtime.RunConfig(lr=1e-4, weight_decay=0.0, dist_timeout_s=600)
+    )
 
 
 def parse_args(argv: list[str]) -> DPOConfig:
     return tyro.cli(DPOConfig, args=argv, config=(tyro.conf.OmitArgPrefixes,))
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # The loss
 
 
 @dataclass
 class PairMetrics:
-    """dpo_loss's diagnostics, per pair ([B] each), or summed over pairs (update: divided by the pair count, the
-    logged means). The implicit rewards are the DPO paper's, for IPO too."""
+    """dpo_loss's diagnostics, per pair ([B] each), or summed over pairs (update: divided by the
+    pair count, the logged means). The implicit rewards are the DPO paper's, for IPO too."""
 
     loss: float | torch.Tensor = 0.0
     reward_chosen: float | torch.Tensor = 0.0  # beta (log pi - log pi_ref)(y_c)
@@ -89,7 +103,8 @@ class PairMetrics:
 
 
 def dpo_loss(
-    pol_chosen: torch.Tensor,  # [B] log pi(y_c | x), summed (DPO) or averaged (IPO) over response tokens
+    # [B] log pi(y_c | x), summed (DPO) or averaged (IPO) over response tokens
+    pol_chosen: torch.Tensor,
     pol_rejected: torch.Tensor,  # [B] log pi(y_r | x)
     ref_chosen: torch.Tensor,  # [B] log pi_ref(y_c | x), no grad
     ref_rejected: torch.Tensor,  # [B] log pi_ref(y_r | x), no grad
@@ -102,46 +117,60 @@ def dpo_loss(
     With the log-ratio margin h = (log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r)):
 
       dpo: l = -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
-           eps = 0 is DPO (Rafailov et al. 2023): the Bradley-Terry likelihood of the preference under the
-           implicit reward r(x, y) = beta log(pi(y|x) / pi_ref(y|x)). eps > 0 is conservative DPO (Mitchell
-           2023): the label is flipped with probability eps, so l is minimized at a finite margin
-           beta h = log((1 - eps) / eps) instead of pushing h to infinity.
-      ipo: l = (h - 1 / (2 beta))^2  (Azar et al. 2023): regresses the margin to a fixed target rather than
-           maximizing it, so it cannot overfit deterministic preferences. The caller passes logprobs *averaged*
-           over each response's tokens, as the IPO paper's implementation and TRL do (a sum would make the
-           target 1/(2 beta) mean different things for long and short responses).
+           eps = 0 is DPO (Rafailov et al. 2023): the Bradley-Terry likelihood of the preference
+           under the implicit reward r(x, y) = beta log(pi(y|x) / pi_ref(y|x)). eps > 0 is
+           conservative DPO (Mitchell 2023): the label is flipped with probability eps, so l is
+           minimized at a finite margin beta h = log((1 - eps) / eps) instead of pushing h to
+           infinity.
+      ipo: l = (h - 1 / (2 beta))^2  (Azar et al. 2023): regresses the margin to a fixed target
+           rather than maximizing it, so it cannot overfit deterministic preferences. The caller
+           passes logprobs *averaged* over each response's tokens, as the IPO paper's
+           implementation and TRL do (a sum would make the target 1/(2 beta) mean different things
+           for long and short responses).
 
-    Diagnostics (the implicit rewards of the DPO paper, also for IPO): reward_chosen = beta (log pi - log pi_ref)(y_c),
-    reward_rejected likewise, margin = their difference = beta h, accuracy = 1 where reward_chosen > reward_rejected
-    (0 at a tie, so 0 everywhere at step 0, when policy = reference).
+    Diagnostics (the implicit rewards of the DPO paper, also for IPO): reward_chosen = beta (log pi
+    - log pi_ref)(y_c), reward_rejected likewise, margin = their difference = beta h, accuracy = 1
+    where reward_chosen > reward_rejected (0 at a tie, so 0 everywhere at step 0, when policy =
+    reference).
     """
     h = (pol_chosen - ref_chosen) - (pol_rejected - ref_rejected)  # [B]
     if kind == "dpo":
-        loss = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+        loss = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(
+            -beta * h
+        )
     elif kind == "ipo":
         loss = (h - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"unknown preference loss {kind!r}: use dpo or ipo")
     r_c = beta * (pol_chosen - ref_chosen).detach()  # [B]
     r_r = beta * (pol_rejected - ref_rejected).detach()  # [B]
-    metrics = PairMetrics(loss.detach(), r_c, r_r, r_c - r_r, (r_c > r_r).float(), pol_chosen.detach(),
-                          pol_rejected.detach())
+    metrics = PairMetrics(
+        loss.detach(),
+        r_c,
+        r_r,
+        r_c - r_r,
+        (r_c > r_r).float(),
+        pol_chosen.detach(),
+        pol_rejected.detach(),
+    )
     return loss, metrics
 
 
 def sequence_logps(token_logp: torch.Tensor, resp_len: torch.Tensor, average: bool) -> torch.Tensor:
-    """log pi(y|x) [B] from per-token logprobs [B, T] (zero past each response's end): the sum, or the mean (IPO)."""
+    """log pi(y|x) [B] from per-token logprobs [B, T] (zero past each response's end): the sum, or
+    the mean (IPO)."""
     s = token_logp.sum(-1)  # [B]
     return s / resp_len.clamp(min=1).to(s.dtype) if average else s
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Preference data
 
 
 @dataclass(frozen=True)
 class PrefRow:
-    """One preference as text: the prompt (a string, or chat messages) and two responses (strings)."""
+    """One preference as text: the prompt (a string, or chat messages) and two responses
+    (strings)."""
 
     prompt: str | tuple
     chosen: str
@@ -150,7 +179,8 @@ class PrefRow:
 
 @dataclass(frozen=True)
 class Pair:
-    """One preference as token ids; the rows the model sees are prompt + chosen and prompt + rejected."""
+    """One preference as token ids; the rows the model sees are prompt + chosen and prompt +
+    rejected."""
 
     prompt: tuple[int, ...]
     chosen: tuple[int, ...]  # response tokens, ending with EOS
@@ -163,39 +193,56 @@ class Pair:
 
 
 def _messages(value, where: str, field: str) -> tuple:
-    if not all(isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in value):
-        raise data.DataError(f"{where}: {field!r} is a list, but not of chat messages with 'role' and 'content'")
+    if not all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in value
+    ):
+        raise data.DataError(
+            f"{where}: {field!r} is a list, but not of chat messages with 'role' and 'content'"
+        )
     return tuple((m["role"], m["content"]) for m in value)
 
 
-def load_pairs(path: str, prompt_field: str = "prompt", chosen_field: str = "chosen",
-               rejected_field: str = "rejected") -> list[PrefRow]:
-    """Preference rows from a file or HF dataset (data.py's readers). Each field is a string or a list of chat
-    messages ({"role", "content"}); a response given as messages is the content of its last message, which must be
-    the assistant's (so UltraFeedback-style rows, whose "chosen" repeats the user turn, work too). A bad row raises
-    data.DataError, one line naming the file and the row (train_dpo reads the data before any model loads)."""
+def load_pairs(
+    path: str,
+    prompt_field: str = "prompt",
+    chosen_field: str = "chosen",
+    rejected_field: str = "rejected",
+) -> list[PrefRow]:
+    """Preference rows from a file or HF dataset (data.py's readers). Each field is a string or a
+    list of chat messages ({"role", "content"}); a response given as messages is the content of its
+    last message, which must be the assistant's (so UltraFeedback-style rows, whose "chosen" repeats
+    the user turn, work too). A bad row raises data.DataError, one line naming the file and the row
+    (train_dpo reads the data before any model loads)."""
     rows = []
     for i, row in data.read_rows(path):
         where = f"{path}: row {i}"
         if not isinstance(row, dict):
-            raise data.DataError(f"{where}: expected an object with fields {prompt_field!r}, {chosen_field!r} and "
-                                 f"{rejected_field!r}")
+            raise data.DataError(
+                f"{where}: expected an object with fields {prompt_field!r}, {chosen_field!r} and "
+                f"{rejected_field!r}"
+            )
         vals = {}
         for key in (prompt_field, chosen_field, rejected_field):
             if key not in row:
-                raise data.DataError(f"{where}: missing field {key!r} (fields: {', '.join(map(str, row))})")
+                raise data.DataError(
+                    f"{where}: missing field {key!r} (fields: {', '.join(map(str, row))})"
+                )
             v = row[key]
             if isinstance(v, (list, tuple)) and v:
                 msgs = _messages(v, where, key)
                 if key != prompt_field:
                     if msgs[-1][0] != "assistant":
-                        raise data.DataError(f"{where}: the last message of {key!r} is not the assistant's")
+                        raise data.DataError(
+                            f"{where}: the last message of {key!r} is not the assistant's"
+                        )
                     v = msgs[-1][1]
                 else:
                     v = msgs
             elif not isinstance(v, str):
-                raise data.DataError(f"{where}: {key!r} must be a string or a list of chat messages, "
-                                     f"not {type(v).__name__}")
+                raise data.DataError(
+                    f"{where}: {key!r} must be a string or a list of chat messages, "
+                    f"not {type(v).__name__}"
+                )
             if isinstance(v, str) and not v.strip():
                 raise data.DataError(f"{where}: empty {key!r}")
             vals[key] = v
@@ -206,10 +253,11 @@ def load_pairs(path: str, prompt_field: str = "prompt", chosen_field: str = "cho
 
 
 def sum3_pairs(problems: list[data.Problem], seed: int) -> list[PrefRow]:
-    """The demo's synthetic preferences: two pairs per prompt "a+b+c=", both with chosen = the right sum. The first
-    rejects the careless a+b that the base model prefers (when c != 0; when c = 0 it *is* the right sum, so another
-    wrong number in 0..27 instead), the second another wrong number: rejecting only a+b would teach "not a+b",
-    and the probability it loses could go to any other wrong answer as well as to the right one."""
+    """The demo's synthetic preferences: two pairs per prompt "a+b+c=", both with chosen = the right
+    sum. The first rejects the careless a+b that the base model prefers (when c != 0; when c = 0 it
+    *is* the right sum, so another wrong number in 0..27 instead), the second another wrong number:
+    rejecting only a+b would teach "not a+b", and the probability it loses could go to any other
+    wrong answer as well as to the right one."""
     rng = random.Random(seed)
     rows = []
     for p in problems:
@@ -221,51 +269,75 @@ def sum3_pairs(problems: list[data.Problem], seed: int) -> list[PrefRow]:
 
 
 def encode_pairs(tok, rows: list[PrefRow], max_seq_len: int, what: str) -> list[Pair]:
-    """Token ids: the prompt through the chat template when the tokenizer has one (else plain text, as for the tiny
-    model), each response as plain tokens + EOS (the end of an assistant turn). Pairs longer than max_seq_len are
-    dropped, counted and reported: truncating one would compare a cut response with a whole one."""
+    """Token ids: the prompt through the chat template when the tokenizer has one (else plain text,
+    as for the tiny model), each response as plain tokens + EOS (the end of an assistant turn).
+    Pairs longer than max_seq_len are dropped, counted and reported: truncating one would compare a
+    cut response with a whole one."""
     pairs = []
     for i, r in enumerate(rows, 1):
-        msgs = [{"role": "user", "content": r.prompt}] if isinstance(r.prompt, str) else \
-            [{"role": role, "content": c} for role, c in r.prompt]
+        msgs = (
+            [{"role": "user", "content": r.prompt}]
+            if isinstance(r.prompt, str)
+            else [{"role": role, "content": c} for role, c in r.prompt]
+        )
         if tok.chat_template:
-            prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+            prompt = tok.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
         elif isinstance(r.prompt, str):
             prompt = tok(r.prompt)["input_ids"]
         else:
-            raise UserError(f"{what} pair {i}: the prompt is a list of chat messages, but the tokenizer has no chat "
-                            "template")
-        resp = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in (r.chosen, r.rejected)]
+            raise UserError(
+                f"{what} pair {i}: the prompt is a list of chat messages, but the tokenizer has no "
+                "chat "
+                "template"
+            )
+        resp = [
+            tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            for t in (r.chosen, r.rejected)
+        ]
         pairs.append(Pair(tuple(prompt), tuple(resp[0]), tuple(resp[1])))
     keep = [p for p in pairs if p.length <= max_seq_len]
     if len(keep) < len(pairs):
-        distributed.print0(f"dropped {len(pairs) - len(keep)} of {len(pairs)} {what} pairs longer than {max_seq_len} tokens "
-                    f"(--max-seq-len)")
+        distributed.print0(
+            f"dropped {len(pairs) - len(keep)} of {len(pairs)} {what} pairs longer than "
+            f"{max_seq_len} tokens "
+            f"(--max-seq-len)"
+        )
     if pairs and not keep:
-        raise UserError(f"every {what} pair is longer than {max_seq_len} tokens; raise --max-seq-len")
+        raise UserError(
+            f"every {what} pair is longer than {max_seq_len} tokens; raise --max-seq-len"
+        )
     return keep
 
 
 def load_preferences(cfg: DPOConfig) -> tuple[list[PrefRow], list[PrefRow], list[data.Problem]]:
-    """(training rows, held-out rows, held-out sum3 problems for task accuracy: only for the synthetic set)."""
+    """(training rows, held-out rows, held-out sum3 problems for task accuracy: only for the
+    synthetic set)."""
     run = cfg.run
     if not run.data:
         train_set, heldout = tasks.sum3_split()
-        # the held-out pairs' wrong answers from a stream of their own (seed + 1), not the training pairs' again
+        # the held-out pairs' wrong answers from a stream of their own (seed + 1), not the training
+        # pairs' again
         return sum3_pairs(train_set, run.seed), sum3_pairs(heldout, run.seed + 1), heldout
     rows = load_pairs(run.data, cfg.prompt_field, cfg.chosen_field, cfg.rejected_field)
     if run.val_data:
-        return rows, load_pairs(run.val_data, cfg.prompt_field, cfg.chosen_field, cfg.rejected_field), []
+        return (
+            rows,
+            load_pairs(run.val_data, cfg.prompt_field, cfg.chosen_field, cfg.rejected_field),
+            [],
+        )
     train_rows, heldout_rows = data.split(rows, run.val_fraction, run.seed)
     return train_rows, heldout_rows, []
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # One update
 
 
 def pack(pairs: list[Pair], pad_id: int, device) -> dict:
-    """Rows [2n, L] on `device`: the n chosen rows, then the n rejected ones, right-padded (one forward for both)."""
+    """Rows [2n, L] on `device`: the n chosen rows, then the n rejected ones, right-padded (one
+    forward for both)."""
     seqs = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
     resp = [len(p.chosen) for p in pairs] + [len(p.rejected) for p in pairs]
     L = max(map(len, seqs))
@@ -275,40 +347,62 @@ def pack(pairs: list[Pair], pad_id: int, device) -> dict:
         ids[i, : len(s)] = torch.tensor(s)
         am[i, : len(s)] = 1
     start = torch.tensor([len(p.prompt) for p in pairs] * 2)  # [2n]
-    return dict(input_ids=ids.to(device), attention_mask=am.to(device), resp_start=start.to(device),
-                resp_len=torch.tensor(resp).to(device), T=max(resp))
+    return dict(
+        input_ids=ids.to(device),
+        attention_mask=am.to(device),
+        resp_start=start.to(device),
+        resp_len=torch.tensor(resp).to(device),
+        T=max(resp),
+    )
 
 
-def pair_logps(m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_logps(
+    m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_c|x), log pi(y_r|x): each [n], summed over response tokens (averaged for IPO)."""
     b = pack(pairs, pad_id, device)
     with torch.set_grad_enabled(grad), runtime.autocast(cfg.run, device):
-        lp, _ = model.token_logprobs(m, b["input_ids"], b["attention_mask"], b["resp_start"], b["T"], 1.0,
-                                     cfg.run.logprob_chunk_tokens)  # [2n, T]
+        lp, _ = model.token_logprobs(
+            m,
+            b["input_ids"],
+            b["attention_mask"],
+            b["resp_start"],
+            b["T"],
+            1.0,
+            cfg.run.logprob_chunk_tokens,
+        )  # [2n, T]
     s = sequence_logps(lp, b["resp_len"], average=cfg.loss == "ipo")  # [2n]
     return s[: len(pairs)], s[len(pairs) :]
 
 
-# one token of prompt and one of each response, whatever the length of the real pairs, and no share of the loss
+# one token of prompt and one of each response, whatever the length of the real pairs, and no share
+# of the loss
 STAND_IN = Pair((1,), (2,), (2,), weight=0.0)
 
 
 def micro_batches(pairs: list[Pair], token_budget: int) -> list[tuple[list[int], list[Pair]]]:
-    """(rows, their pairs) per micro-batch: whole pairs (the loss needs both rows) within the token budget counted
-    over both padded rows, longest first (distributed.micro_batches), and as many on every rank: a rank with fewer
-    runs ([], [STAND_IN]) in place of each it lacks (FSDP's collectives need the same passes). A collective."""
-    return [(rows, [pairs[i] for i in rows] or [STAND_IN])
-            for rows in distributed.micro_batches([2 * p.length for p in pairs], list(range(len(pairs))), token_budget)]
+    """(rows, their pairs) per micro-batch: whole pairs (the loss needs both rows) within the token
+    budget counted over both padded rows, longest first (distributed.micro_batches), and as many on
+    every rank: a rank with fewer runs ([], [STAND_IN]) in place of each it lacks (FSDP's
+    collectives need the same passes). A collective."""
+    return [
+        (rows, [pairs[i] for i in rows] or [STAND_IN])
+        for rows in distributed.micro_batches(
+            [2 * p.length for p in pairs], list(range(len(pairs))), token_budget
+        )
+    ]
 
 
-def update(policy, ref, opt, sched, pairs: list[Pair], n_global: int, cfg: DPOConfig, device,
-           pad_id: int) -> tuple[PairMetrics, float, bool]:
+def update(
+    policy, ref, opt, sched, pairs: list[Pair], n_global: int, cfg: DPOConfig, device, pad_id: int
+) -> tuple[PairMetrics, float, bool]:
     """One optimizer step on this rank's share `pairs` of a global batch of `n_global` pairs.
 
-    Each micro-batch: reference logprobs (no grad), policy logprobs (grad), the loss summed over its pairs and
-    divided by n_global, times distributed.loss_scale() (FSDP averages over ranks; we want the sum), backward. So
-    the gradient is that of the global batch's mean loss at any world size and any micro-batching. Returns (this
-    rank's metric sums, the gradient norm, whether the step was skipped for a non-finite one).
+    Each micro-batch: reference logprobs (no grad), policy logprobs (grad), the loss summed over its
+    pairs and divided by n_global, times distributed.loss_scale() (FSDP averages over ranks; we want
+    the sum), backward. So the gradient is that of the global batch's mean loss at any world size
+    and any micro-batching. Returns (this rank's metric sums, the gradient norm, whether the step
+    was skipped for a non-finite one).
     """
     policy.train()
     sums = PairMetrics()
@@ -317,9 +411,12 @@ def update(policy, ref, opt, sched, pairs: list[Pair], n_global: int, cfg: DPOCo
         with torch.no_grad():
             ref_c, ref_r = pair_logps(ref, mb, cfg, device, pad_id, grad=False)  # [n], [n]
         pol_c, pol_r = pair_logps(policy, mb, cfg, device, pad_id, grad=True)  # [n], [n]
-        loss, metrics = dpo_loss(pol_c, pol_r, ref_c, ref_r, cfg.beta, cfg.label_smoothing, cfg.loss)  # [n] each
+        loss, metrics = dpo_loss(
+            pol_c, pol_r, ref_c, ref_r, cfg.beta, cfg.label_smoothing, cfg.loss
+        )  # [n] each
         weight = torch.tensor([p.weight for p in mb], dtype=loss.dtype, device=loss.device)  # [n]
-        with distributed.gradient_sync(policy, k == len(micro) - 1):  # one gradient reduction per step
+        # one gradient reduction per step
+        with distributed.gradient_sync(policy, k == len(micro) - 1):
             ((loss * weight).sum() * (1 / n_global) * distributed.loss_scale()).backward()
         runtime.accumulate(sums, metrics, weight)
     grad_norm, skipped = runtime.optimizer_step(policy, opt, cfg.run.grad_clip)
@@ -329,12 +426,13 @@ def update(policy, ref, opt, sched, pairs: list[Pair], n_global: int, cfg: DPOCo
     return sums, grad_norm, skipped
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Evaluation
 
 
 def eval_logps(m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int) -> torch.Tensor:
-    """[n, 2] log pi of (chosen, rejected) for this rank's share of `pairs` (no grad; every rank the same passes)."""
+    """[n, 2] log pi of (chosen, rejected) for this rank's share of `pairs` (no grad; every rank the
+    same passes)."""
     out = torch.zeros(len(pairs), 2, dtype=torch.float64)
     for rows, mb in micro_batches(pairs, cfg.run.micro_batch_tokens):
         c, r = pair_logps(m, mb, cfg, device, pad_id, grad=False)
@@ -342,54 +440,95 @@ def eval_logps(m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int) -> tor
     return out
 
 
-def evaluate_pairs(policy, ref_lp: torch.Tensor, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int) -> dict:
+def evaluate_pairs(
+    policy, ref_lp: torch.Tensor, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int
+) -> dict:
     """Held-out preference figures, reduced over ranks:
-    heldout_pref_acc   = fraction of pairs where the policy itself gives y_c the higher log pi (meaningful at
-                         step 0: the base model's own preference),
-    heldout_reward_acc = fraction where the implicit reward beta log(pi/pi_ref) of y_c is higher (DPO's
-                         "accuracy"; 0 at step 0, when every margin is 0),
+    heldout_pref_acc   = fraction of pairs where the policy itself gives y_c the higher log pi
+                         (meaningful at step 0: the base model's own preference),
+    heldout_reward_acc = fraction where the implicit reward beta log(pi/pi_ref) of y_c is higher
+                         (DPO's "accuracy"; 0 at step 0, when every margin is 0),
     heldout_margin     = mean implicit reward margin."""
     lp = eval_logps(policy, pairs, cfg, device, pad_id)  # [n, 2]
     margin = cfg.beta * ((lp[:, 0] - ref_lp[:, 0]) - (lp[:, 1] - ref_lp[:, 1]))  # [n]
-    tot = distributed.all_reduce_sum(torch.tensor([float((lp[:, 0] > lp[:, 1]).sum()), float((margin > 0).sum()),
-                                                   float(margin.sum()), float(len(pairs))], dtype=torch.float64)).tolist()
+    tot = distributed.all_reduce_sum(
+        torch.tensor(
+            [
+                float((lp[:, 0] > lp[:, 1]).sum()),
+                float((margin > 0).sum()),
+                float(margin.sum()),
+                float(len(pairs)),
+            ],
+            dtype=torch.float64,
+        )
+    ).tolist()
     if not tot[3]:
         return {}
-    return {"heldout_pref_acc": tot[0] / tot[3], "heldout_reward_acc": tot[1] / tot[3], "heldout_margin": tot[2] / tot[3]}
+    return {
+        "heldout_pref_acc": tot[0] / tot[3],
+        "heldout_reward_acc": tot[1] / tot[3],
+        "heldout_margin": tot[2] / tot[3],
+    }
 
 
-def evaluate_task(engine, policy, tok, cfg: DPOConfig, problems: list[data.Problem], seed: int) -> dict:
-    """The sum3 demo only: held-out greedy accuracy and pass@1, exactly as GRPO's demo measures them, with the
-    policy's current weights loaded into an HF-generate engine."""
+def evaluate_task(
+    engine, policy, tok, cfg: DPOConfig, problems: list[data.Problem], seed: int
+) -> dict:
+    """The sum3 demo only: held-out greedy accuracy and pass@1, exactly as GRPO's demo measures
+    them, with the policy's current weights loaded into an HF-generate engine."""
     engine.load_weights(distributed.full_weights(policy.lm))
     prompts = [tok(p.prompt)["input_ids"] for p in problems]
-    return eval_aime.heldout_accuracy(engine, tok, prompts, [p.answer for p in problems], reward.exact_reward,
-                                      cfg.run.eval_samples, cfg.max_new_tokens, 1.0, seed)
+    return eval_aime.heldout_accuracy(
+        engine,
+        tok,
+        prompts,
+        [p.answer for p in problems],
+        reward.exact_reward,
+        cfg.run.eval_samples,
+        cfg.max_new_tokens,
+        1.0,
+        seed,
+    )
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # The loop
 
 
 def validate(cfg: DPOConfig, world: int) -> None:
-    """One clear line for a bad flag, before any data or model is loaded: DPO's own flags, and those every run
-    has (runtime.run_checks)."""
-    check([
-        (cfg.beta > 0, f"--beta {cfg.beta}: must be positive"),
-        (0.0 <= cfg.label_smoothing < 0.5, f"--label-smoothing {cfg.label_smoothing}: must be in [0, 0.5)"),
-        (cfg.loss == "dpo" or cfg.label_smoothing == 0.0,
-         f"--label-smoothing {cfg.label_smoothing}: only for --loss dpo (IPO has no labels to smooth)"),
-        (cfg.batch_size >= world and cfg.batch_size % world == 0,
-         f"--batch-size {cfg.batch_size}: must be a positive multiple of the {world} ranks"),
-        (cfg.max_seq_len >= 2, f"--max-seq-len {cfg.max_seq_len}: must be at least 2"),
-        (0 < cfg.max_new_tokens < cfg.max_seq_len,
-         f"--max-new-tokens {cfg.max_new_tokens}: must be positive and below --max-seq-len {cfg.max_seq_len}"),
-        *runtime.run_checks(cfg.run),
-    ])
+    """One clear line for a bad flag, before any data or model is loaded: DPO's own flags, and those
+    every run has (runtime.run_checks)."""
+    check(
+        [
+            (cfg.beta > 0, f"--beta {cfg.beta}: must be positive"),
+            (
+                0.0 <= cfg.label_smoothing < 0.5,
+                f"--label-smoothing {cfg.label_smoothing}: must be in [0, 0.5)",
+            ),
+            (
+                cfg.loss == "dpo" or cfg.label_smoothing == 0.0,
+                f"--label-smoothing {cfg.label_smoothing}: only for --loss dpo (IPO has no labels "
+                "to "
+                "smooth)",
+            ),
+            (
+                cfg.batch_size >= world and cfg.batch_size % world == 0,
+                f"--batch-size {cfg.batch_size}: must be a positive multiple of the {world} ranks",
+            ),
+            (cfg.max_seq_len >= 2, f"--max-seq-len {cfg.max_seq_len}: must be at least 2"),
+            (
+                0 < cfg.max_new_tokens < cfg.max_seq_len,
+                f"--max-new-tokens {cfg.max_new_tokens}: must be positive and below --max-seq-len "
+                f"{cfg.max_seq_len}",
+            ),
+            *runtime.run_checks(cfg.run),
+        ]
+    )
 
 
 def train_dpo(cfg: DPOConfig) -> dict:
-    """Run DPO: the run skeleton of train.py (runtime.Run) around one update of fixed preference pairs per step."""
+    """Run DPO: the run skeleton of train.py (runtime.Run) around one update of fixed preference
+    pairs per step."""
     rank, world = distributed.init(cfg.run.dist_timeout_s)
     validate(cfg, world)  # bad flags stop the run here, before any data or model loads
     device, bf16 = runtime.setup_process(cfg.run)
@@ -397,46 +536,98 @@ def train_dpo(cfg: DPOConfig) -> dict:
     path = model.resolve(cfg.run.model)
     tok = model.load_tokenizer(path, cfg.run.trust_remote_code)
     train_pairs = encode_pairs(tok, train_rows, cfg.max_seq_len, "training")
-    heldout_pairs = encode_pairs(tok, heldout_rows, cfg.max_seq_len, "held-out") if heldout_rows else []
-    check([(len(train_pairs) >= cfg.batch_size, f"--batch-size {cfg.batch_size}: only {len(train_pairs)} training "
-                                                "pairs")])
-    policy = model.load_trainable(path, device, cfg.run.activation_checkpointing, cfg.run.trust_remote_code)
-    ref = model.load_trainable(path, device, False, cfg.run.trust_remote_code).eval().requires_grad_(False)
+    heldout_pairs = (
+        encode_pairs(tok, heldout_rows, cfg.max_seq_len, "held-out") if heldout_rows else []
+    )
+    check(
+        [
+            (
+                len(train_pairs) >= cfg.batch_size,
+                f"--batch-size {cfg.batch_size}: only {len(train_pairs)} training pairs",
+            )
+        ]
+    )
+    policy = model.load_trainable(
+        path, device, cfg.run.activation_checkpointing, cfg.run.trust_remote_code
+    )
+    ref = (
+        model.load_trainable(path, device, False, cfg.run.trust_remote_code)
+        .eval()
+        .requires_grad_(False)
+    )
     engine = None
-    if heldout_problems and cfg.run.eval_every:  # task accuracy of the synthetic demo: generate with HF
-        engine = rollout.HFEngine(path, dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
+    # task accuracy of the synthetic demo: generate with HF
+    if heldout_problems and cfg.run.eval_every:
+        engine = rollout.HFEngine(
+            path, dtype=torch.bfloat16 if bf16 else torch.float32, device=device
+        )
     opt, sched = runtime.optimizer(policy, cfg.run)
     stream = data.PromptStream(len(train_pairs), cfg.run.seed)  # same shuffled order on every rank
     my_heldout = heldout_pairs[slice(*distributed.share(heldout_pairs))]
-    ref_heldout = eval_logps(ref, my_heldout, cfg, device, tok.pad_token_id) if cfg.run.eval_every else None
+    ref_heldout = (
+        eval_logps(ref, my_heldout, cfg, device, tok.pad_token_id) if cfg.run.eval_every else None
+    )
 
     def evaluate(step: int) -> dict:
         row = evaluate_pairs(policy, ref_heldout, my_heldout, cfg, device, tok.pad_token_id)
         if engine is not None:
-            row.update(evaluate_task(engine, policy, tok, cfg, heldout_problems,
-                                     seed=cfg.run.seed + step))  # fresh samples at every evaluation
+            row.update(
+                evaluate_task(engine, policy, tok, cfg, heldout_problems, seed=cfg.run.seed + step)
+            )  # fresh samples at every evaluation
         return row
 
-    run = runtime.Run(cfg, policy, opt, sched, stream, evaluate, label=cfg.loss.upper(),
-                      show=dict(loss="loss", acc="reward_acc", heldout="heldout_pref_acc"), folder_prefix="dpo-",
-                      sigint=__name__ == "__main__")  # only a command-line run owns the process's Ctrl-C
+    run = runtime.Run(
+        cfg,
+        policy,
+        opt,
+        sched,
+        stream,
+        evaluate,
+        label=cfg.loss.upper(),
+        show=dict(loss="loss", acc="reward_acc", heldout="heldout_pref_acc"),
+        folder_prefix="dpo-",
+        # only a command-line run owns the process's Ctrl-C
+        sigint=__name__ == "__main__",
+    )
     share = cfg.batch_size // world
     for step in run.steps():
         t0 = time.time()
         runtime.reset_peak_memory(device)
-        ids = stream.take(cfg.batch_size)[rank * share : (rank + 1) * share]  # this rank's share of the global batch
-        sums, grad_norm, skipped = update(policy, ref, opt, sched, [train_pairs[i] for i in ids], cfg.batch_size,
-                                          cfg, device, tok.pad_token_id)
+        # this rank's share of the global batch
+        ids = stream.take(cfg.batch_size)[rank * share : (rank + 1) * share]
+        sums, grad_norm, skipped = update(
+            policy,
+            ref,
+            opt,
+            sched,
+            [train_pairs[i] for i in ids],
+            cfg.batch_size,
+            cfg,
+            device,
+            tok.pad_token_id,
+        )
         (tot,) = distributed.sum_over_ranks(sums)
         means = {f.name: getattr(tot, f.name) / cfg.batch_size for f in fields(tot)}
-        run.end_step(step, dict(step=step, epoch=step * cfg.batch_size / len(train_pairs), **means,
-                                grad_norm=grad_norm, skipped_updates=int(skipped), lr=sched.get_last_lr()[0],
-                                time_train=time.time() - t0, peak_mem_gib=runtime.peak_memory_gib(device)))
+        run.end_step(
+            step,
+            dict(
+                step=step,
+                epoch=step * cfg.batch_size / len(train_pairs),
+                **means,
+                grad_norm=grad_norm,
+                skipped_updates=int(skipped),
+                lr=sched.get_last_lr()[0],
+                time_train=time.time() - t0,
+                peak_mem_gib=runtime.peak_memory_gib(device),
+            ),
+        )
     return run.finish(tok, pairs=len(train_pairs))
 
 
 def main(argv: list[str]) -> None:
-    one_line_errors(lambda: export_hf(argv, "dpo.py") if argv[:1] == ["export"] else train_dpo(parse_args(argv)))
+    one_line_errors(
+        lambda: export_hf(argv, "dpo.py") if argv[:1] == ["export"] else train_dpo(parse_args(argv))
+    )
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
-"""Math evaluation: pass@1 averaged over k samples per problem, on AIME 2024 or any file of the same shape.
+"""Math evaluation: pass@1 averaged over k samples per problem, on AIME 2024 or any file of the same
+shape.
 
 What it does: loads problems (a local .jsonl/.json/.parquet, or an HF dataset name such as
-HuggingFaceH4/aime_2024 where there is network; field names are flags), builds DeepScaleR's prompt (chat
-template when the tokenizer has one), samples k responses per problem with the vLLM engine (DeepScaleR's protocol
-by default: k = 16, temperature 0.6, top_p 0.95, 32768 new tokens), scores each with reward.py (or your own
---reward path/to/file.py:function, guarded by user_reward.py), writes every sample
-to a JSONL (written aside and renamed, never half-written) and prints a table: correct/k per problem, pass@1 with a
-95% confidence interval, pass@k, mean response length and the fraction truncated.
+HuggingFaceH4/aime_2024 where there is network; field names are flags), builds DeepScaleR's prompt
+(chat template when the tokenizer has one), samples k responses per problem with the vLLM engine
+(DeepScaleR's protocol by default: k = 16, temperature 0.6, top_p 0.95, 32768 new tokens), scores
+each with reward.py (or your own --reward path/to/file.py:function, guarded by user_reward.py),
+writes every sample to a JSONL (written aside and renamed, never half-written) and prints a table:
+correct/k per problem, pass@1 with a 95% confidence interval, pass@k, mean response length and the
+fraction truncated.
 
-Under torchrun the problems are split over the engines (one per rank, or per --tensor-parallel-size ranks) and
-the figures are those one process would write.
+Under torchrun the problems are split over the engines (one per rank, or per --tensor-parallel-size
+ranks) and the figures are those one process would write.
 
 heldout_accuracy is the same measurement as training runs log it every --eval-every steps.
 
@@ -40,16 +42,20 @@ from checks import check, one_line_errors, writable
 
 @dataclass
 class EvalConfig:
-    model: str  # HF folder (e.g. a run's <out_dir>/final), hub name, or a built-in base ("tiny", "tiny-math")
+    # HF folder (e.g. a run's <out_dir>/final), hub name, or a built-in base ("tiny", "tiny-math")
+    model: str
     data: str  # problems: .jsonl / .json / .parquet, or an HF dataset name[:split]
     out: str = "eval_samples.jsonl"  # every sample, one JSON line each
     problem_field: str = "problem"  # field holding the problem text
     answer_field: str = "answer"  # field holding the gold answer
-    prompt_template: str = ""  # a text file with {problem}, used instead of the chat template + instruction
-    reward: str = "math"  # math: last \boxed{} checked by math-verify; exact: the whole response equals the answer;
-    #   path/to/file.py:function: your own (response, gold) -> float, guarded as in train.py (user_reward.py)
-    # --reward math: the final answer is the last \boxed{} (boxed: DeepScaleR's), or that when it is there and not
-    # empty, else the response's last number (last-number: for models too small to box their answers, reward.py)
+    # a text file with {problem}, used instead of the chat template + instruction
+    prompt_template: str = ""
+    # math: last \boxed{} checked by math-verify; exact: the whole response equals the answer;
+    reward: str = "math"
+    #   path/to/file.py:function: your own (response, gold) -> float, guarded as in train.py
+    # (user_reward.py) --reward math: the final answer is the last \boxed{} (boxed: DeepScaleR's),
+    # or that when it is there and not empty, else the response's last number (last-number: for
+    # models too small to box their answers, reward.py)
     answer: Literal["boxed", "last-number"] = "boxed"
     reward_timeout_s: float = 1.0  # --reward FILE:FUNCTION: a call running longer scores 0
     k: int = 16  # samples per problem
@@ -58,21 +64,26 @@ class EvalConfig:
     max_tokens: int = 32768  # response length limit
     max_model_len: int = 0  # prompt + response; 0 = longest prompt + max_tokens
     tensor_parallel_size: int = 1  # vLLM tensor parallelism (GPUs per engine)
-    gpu_memory_utilization: float = 0.9  # GPU memory share for vLLM's weights and KV cache (no trainer beside it)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # vLLM dtype (auto: bf16 on GPU, float32 on CPU)
-    # vllm, or HF generate (rollout.HFEngine: no vLLM needed; slow at scale, for small models and checks)
+    # GPU memory share for vLLM's weights and KV cache (no trainer beside it)
+    gpu_memory_utilization: float = 0.9
+    # vLLM dtype (auto: bf16 on GPU, float32 on CPU)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # vllm, or HF generate (rollout.HFEngine: no vLLM needed; slow at scale, for small models and
+    # checks)
     engine: Literal["vllm", "hf"] = "vllm"
     seed: int = 0  # sampling seed
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021): 1 - C(n-c, k) /
+    C(n, k)."""
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def summarize(rows: list[dict], n_problems: int, k: int) -> dict:
-    """Figures from the per-sample rows (the JSONL's content): pass@1 with a 95% CI over problems, pass@k, ..."""
+    """Figures from the per-sample rows (the JSONL's content): pass@1 with a 95% CI over problems,
+    pass@k, ..."""
     correct = [0] * n_problems
     for r in rows:
         correct[r["problem_idx"]] += int(r["reward"] == 1.0)
@@ -80,77 +91,150 @@ def summarize(rows: list[dict], n_problems: int, k: int) -> dict:
     mean = sum(per_problem) / n_problems
     var = sum((p - mean) ** 2 for p in per_problem) / max(n_problems - 1, 1)
     half = 1.96 * math.sqrt(var / n_problems)  # normal approximation over problems
-    return {"problems": n_problems, "k": k, "pass@1": mean, "ci95": [mean - half, mean + half],
-            f"pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / n_problems,
-            "mean_response_tokens": sum(r["tokens"] for r in rows) / len(rows),
-            "truncated_frac": sum(r["truncated"] for r in rows) / len(rows), "correct": correct}
+    return {
+        "problems": n_problems,
+        "k": k,
+        "pass@1": mean,
+        "ci95": [mean - half, mean + half],
+        f"pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / n_problems,
+        "mean_response_tokens": sum(r["tokens"] for r in rows) / len(rows),
+        "truncated_frac": sum(r["truncated"] for r in rows) / len(rows),
+        "correct": correct,
+    }
 
 
-def heldout_accuracy(engine, tok, prompts: list[list[int]], answers: list[str], reward_fn, k: int,
-                     max_tokens: int | list[int], temperature: float, seed: int, tp: int = 1,
-                     progress: bool = False) -> dict:
-    """The held-out figures a training run logs (GRPO and DPO): heldout_pass1 = mean reward over k samples per
-    prompt at `temperature`, with its 95% CI over prompts as summarize() gives it (heldout_pass1_ci95_low, _high),
-    heldout_greedy = mean reward of one greedy response per prompt. Each engine (rank, or
-    group of `tp` tensor-parallel ranks sending identical requests) takes its share; a collective. Each prompt's
-    samples come from streams of its own, seeded by its index in `prompts`: independent across ranks, and the
-    same figures at any world size. max_tokens: one limit, or one per prompt."""
-    first, last = distributed.share(prompts, distributed.rank() // tp, distributed.world_size() // tp)
+def heldout_accuracy(
+    engine,
+    tok,
+    prompts: list[list[int]],
+    answers: list[str],
+    reward_fn,
+    k: int,
+    max_tokens: int | list[int],
+    temperature: float,
+    seed: int,
+    tp: int = 1,
+    progress: bool = False,
+) -> dict:
+    """The held-out figures a training run logs (GRPO and DPO): heldout_pass1 = mean reward over k
+    samples per prompt at `temperature`, with its 95% CI over prompts as summarize() gives it
+    (heldout_pass1_ci95_low, _high), heldout_greedy = mean reward of one greedy response per prompt.
+    Each engine (rank, or group of `tp` tensor-parallel ranks sending identical requests) takes its
+    share; a collective. Each prompt's samples come from streams of its own, seeded by its index in
+    `prompts`: independent across ranks, and the same figures at any world size. max_tokens: one
+    limit, or one per prompt."""
+    first, last = distributed.share(
+        prompts, distributed.rank() // tp, distributed.world_size() // tp
+    )
     mine, gold = prompts[first:last], answers[first:last]
     caps = max_tokens[first:last] if isinstance(max_tokens, list) else max_tokens
-    sampled = engine.generate(mine, n=k, max_tokens=caps, temperature=temperature, seed=seed, progress=progress,
-                              first_index=first)
-    greedy = engine.generate(mine, n=1, max_tokens=caps, temperature=0.0, seed=seed, first_index=first)
-    s, g = ([reward_fn(tok.decode(x.token_ids, skip_special_tokens=True), gold[x.prompt_idx]) for x in samples]
-            for samples in (sampled, greedy))
+    sampled = engine.generate(
+        mine,
+        n=k,
+        max_tokens=caps,
+        temperature=temperature,
+        seed=seed,
+        progress=progress,
+        first_index=first,
+    )
+    greedy = engine.generate(
+        mine, n=1, max_tokens=caps, temperature=0.0, seed=seed, first_index=first
+    )
+    s, g = (
+        [
+            reward_fn(tok.decode(x.token_ids, skip_special_tokens=True), gold[x.prompt_idx])
+            for x in samples
+        ]
+        for samples in (sampled, greedy)
+    )
     per_prompt = [0.0] * len(mine)  # each prompt's pass rate over its k samples
     for x, r in zip(sampled, s):
         per_prompt[x.prompt_idx] += r / k
     counted = float(distributed.rank() % tp == 0)
-    tot = distributed.all_reduce_sum(counted * torch.tensor(
-        [sum(s), len(s), sum(g), len(g), sum(per_prompt), sum(p * p for p in per_prompt), len(per_prompt)],
-        dtype=torch.float64)).tolist()
+    tot = distributed.all_reduce_sum(
+        counted
+        * torch.tensor(
+            [
+                sum(s),
+                len(s),
+                sum(g),
+                len(g),
+                sum(per_prompt),
+                sum(p * p for p in per_prompt),
+                len(per_prompt),
+            ],
+            dtype=torch.float64,
+        )
+    ).tolist()
     if not tot[1]:
         return {}
     # the 95% CI of pass@1 as summarize() gives it: normal approximation over prompts
     n, mean = tot[6], tot[4] / tot[6]
     half = 1.96 * math.sqrt(max(tot[5] - n * mean * mean, 0.0) / max(n - 1, 1) / n)
-    return {"heldout_pass1": tot[0] / tot[1], "heldout_pass1_ci95_low": mean - half,
-            "heldout_pass1_ci95_high": mean + half, "heldout_greedy": tot[2] / tot[3]}
+    return {
+        "heldout_pass1": tot[0] / tot[1],
+        "heldout_pass1_ci95_low": mean - half,
+        "heldout_pass1_ci95_high": mean + half,
+        "heldout_greedy": tot[2] / tot[3],
+    }
 
 
 def validate(cfg: EvalConfig, world: int) -> None:
     """One line naming the bad flag, before any model or engine loads."""
-    check([
-        *model.model_checks("--model", cfg.model),
-        (cfg.reward in ("math", "exact") or ":" in cfg.reward,
-         f"--reward {cfg.reward}: use math, exact, or your own path/to/file.py:function"),
-        *(user_reward.checks(cfg.reward, cfg.reward_timeout_s) if cfg.reward not in ("math", "exact") else []),
-        (cfg.answer == "boxed" or cfg.reward == "math",
-         f"--answer {cfg.answer}: chooses how --reward math reads an answer (not --reward {cfg.reward})"),
-        (cfg.k >= 1, f"--k {cfg.k}: must be at least 1"),
-        (cfg.temperature >= 0, f"--temperature {cfg.temperature}: must be 0 (greedy) or positive"),
-        (0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"),
-        (cfg.max_tokens >= 1, f"--max-tokens {cfg.max_tokens}: must be at least 1"),
-        (cfg.max_model_len == 0 or cfg.max_model_len > cfg.max_tokens,
-         f"--max-model-len {cfg.max_model_len}: must be 0 (auto) or above --max-tokens {cfg.max_tokens}"),
-        (cfg.tensor_parallel_size >= 1 and world % cfg.tensor_parallel_size == 0,
-         f"--tensor-parallel-size {cfg.tensor_parallel_size}: must divide the {world} ranks"),
-        (0 < cfg.gpu_memory_utilization < 1,
-         f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: must be a fraction in (0, 1)"),
-        (writable(Path(cfg.out).absolute().parent), f"--out {cfg.out}: cannot be written"),
-    ])
+    check(
+        [
+            *model.model_checks("--model", cfg.model),
+            (
+                cfg.reward in ("math", "exact") or ":" in cfg.reward,
+                f"--reward {cfg.reward}: use math, exact, or your own path/to/file.py:function",
+            ),
+            *(
+                user_reward.checks(cfg.reward, cfg.reward_timeout_s)
+                if cfg.reward not in ("math", "exact")
+                else []
+            ),
+            (
+                cfg.answer == "boxed" or cfg.reward == "math",
+                f"--answer {cfg.answer}: chooses how --reward math reads an answer (not --reward "
+                f"{cfg.reward})",
+            ),
+            (cfg.k >= 1, f"--k {cfg.k}: must be at least 1"),
+            (
+                cfg.temperature >= 0,
+                f"--temperature {cfg.temperature}: must be 0 (greedy) or positive",
+            ),
+            (0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]"),
+            (cfg.max_tokens >= 1, f"--max-tokens {cfg.max_tokens}: must be at least 1"),
+            (
+                cfg.max_model_len == 0 or cfg.max_model_len > cfg.max_tokens,
+                f"--max-model-len {cfg.max_model_len}: must be 0 (auto) or above --max-tokens "
+                f"{cfg.max_tokens}",
+            ),
+            (
+                cfg.tensor_parallel_size >= 1 and world % cfg.tensor_parallel_size == 0,
+                f"--tensor-parallel-size {cfg.tensor_parallel_size}: must divide the {world} ranks",
+            ),
+            (
+                0 < cfg.gpu_memory_utilization < 1,
+                f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: must be a fraction in (0, "
+                "1)",
+            ),
+            (writable(Path(cfg.out).absolute().parent), f"--out {cfg.out}: cannot be written"),
+        ]
+    )
 
 
 def main(cfg: EvalConfig, engine=None) -> dict:
-    """Run the evaluation; `engine` lets a caller (the tests) bring a vLLM engine that holds the model already.
+    """Run the evaluation; `engine` lets a caller (the tests) bring a vLLM engine that holds the
+    model already.
 
-    Under torchrun each engine (each rank, or each group of --tensor-parallel-size ranks) samples its share of the
-    problems; rank 0 gathers the samples and writes the same JSONL and figures as one process would: every
-    problem's seed is its index in the file, whatever the split."""
+    Under torchrun each engine (each rank, or each group of --tensor-parallel-size ranks) samples
+    its share of the problems; rank 0 gathers the samples and writes the same JSONL and figures as
+    one process would: every problem's seed is its index in the file, whatever the split."""
     rank, world = distributed.init()
     validate(cfg, world)
-    problems = data.load_problems(cfg.data, cfg.problem_field, cfg.answer_field)  # bad rows stop here
+    # bad rows stop here
+    problems = data.load_problems(cfg.data, cfg.problem_field, cfg.answer_field)
     template = data.read_template(cfg.prompt_template)
     path = model.resolve(cfg.model)
     tok = model.load_tokenizer(path, cfg.trust_remote_code)
@@ -162,27 +246,57 @@ def main(cfg: EvalConfig, engine=None) -> dict:
     own_engine = engine is None  # an engine the caller brought is the caller's to close
     if engine is None and cfg.engine == "hf":
         cuda = torch.cuda.is_available()
-        dtype = {"auto": torch.bfloat16 if cuda else torch.float32}.get(cfg.dtype) or getattr(torch, cfg.dtype)
-        engine = rollout.HFEngine(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-                                  device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
-    engine = engine or rollout.VLLMEngine(path, max_model_len=max_len, seed=cfg.seed, dtype=cfg.dtype,
-                                          gpu_memory_utilization=cfg.gpu_memory_utilization, colocated=False,
-                                          tensor_parallel_size=tp, trust_remote_code=cfg.trust_remote_code,
-                                          external_launcher=distributed.in_group())
-    samples = engine.generate(prompts[first:last], n=cfg.k, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                              top_p=cfg.top_p, seed=cfg.seed, first_index=first)
-    score = {"math": functools.partial(reward.math_reward, answer=cfg.answer),
-             "exact": reward.exact_reward}.get(cfg.reward) \
-        or user_reward.load(cfg.reward, cfg.reward_timeout_s)
+        dtype = {"auto": torch.bfloat16 if cuda else torch.float32}.get(cfg.dtype) or getattr(
+            torch, cfg.dtype
+        )
+        engine = rollout.HFEngine(
+            path,
+            dtype=dtype,
+            trust_remote_code=cfg.trust_remote_code,
+            device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu",
+        )
+    engine = engine or rollout.VLLMEngine(
+        path,
+        max_model_len=max_len,
+        seed=cfg.seed,
+        dtype=cfg.dtype,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        colocated=False,
+        tensor_parallel_size=tp,
+        trust_remote_code=cfg.trust_remote_code,
+        external_launcher=distributed.in_group(),
+    )
+    samples = engine.generate(
+        prompts[first:last],
+        n=cfg.k,
+        max_tokens=cfg.max_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        seed=cfg.seed,
+        first_index=first,
+    )
+    score = {
+        "math": functools.partial(reward.math_reward, answer=cfg.answer),
+        "exact": reward.exact_reward,
+    }.get(cfg.reward) or user_reward.load(cfg.reward, cfg.reward_timeout_s)
     rows = []
     for s in samples:
         i = first + s.prompt_idx
         text = tok.decode(s.token_ids, skip_special_tokens=True)
-        rows.append({"problem_idx": i, "answer": problems[i].answer, "response": text,
-                     "reward": score(text, problems[i].answer), "truncated": s.truncated, "tokens": len(s.token_ids)})
+        rows.append(
+            {
+                "problem_idx": i,
+                "answer": problems[i].answer,
+                "response": text,
+                "reward": score(text, problems[i].answer),
+                "truncated": s.truncated,
+                "tokens": len(s.token_ids),
+            }
+        )
     rows = [r for part in distributed.gather_to_main(rows if rank % tp == 0 else []) for r in part]
     own = score.failures() if isinstance(score, user_reward.Guarded) and rank % tp == 0 else 0
-    failed = int(distributed.all_reduce_sum(torch.tensor([float(own)]))[0])  # samples a --reward FILE:FUNCTION failed on
+    # samples a --reward FILE:FUNCTION failed on
+    failed = int(distributed.all_reduce_sum(torch.tensor([float(own)]))[0])
     distributed.close(engine if own_engine else None)  # every collective is done
     if not distributed.is_main():
         return {}
@@ -192,18 +306,26 @@ def main(cfg: EvalConfig, engine=None) -> dict:
     tmp.replace(out)
     summary = summarize(rows, len(problems), cfg.k)
     if cfg.reward not in ("math", "exact"):
-        summary["reward_errors"] = failed  # samples whose reward raised, hung or returned a non-number: scored 0
+        # samples whose reward raised, hung or returned a non-number: scored 0
+        summary["reward_errors"] = failed
     for i, c in enumerate(summary["correct"]):
         print(f"problem {i:4d}  {c:3d}/{cfg.k}  gold {problems[i].answer[:40]}")
     lo, hi = summary["ci95"]
-    print(f"\n{cfg.model} on {cfg.data}: {len(problems)} problems x {cfg.k} samples (T={cfg.temperature}, "
-          f"top_p={cfg.top_p}, {groups} engine{'s' if groups > 1 else ''})\n"
-          f"pass@1 {summary['pass@1']:.4f}  (95% CI {lo:.4f} .. {hi:.4f})   pass@{cfg.k} {summary[f'pass@{cfg.k}']:.4f}\n"
-          f"mean response {summary['mean_response_tokens']:.0f} tokens, truncated {summary['truncated_frac']:.3f}\n"
-          + (f"reward errors (scored 0): {failed}\n" if "reward_errors" in summary else "") +
-          f"samples in {out}")
+    print(
+        f"\n{cfg.model} on {cfg.data}: {len(problems)} problems x {cfg.k} samples "
+        f"(T={cfg.temperature}, "
+        f"top_p={cfg.top_p}, {groups} engine{'s' if groups > 1 else ''})\n"
+        f"pass@1 {summary['pass@1']:.4f}  (95% CI {lo:.4f} .. {hi:.4f})   pass@{cfg.k} "
+        f"{summary[f'pass@{cfg.k}']:.4f}\n"
+        f"mean response {summary['mean_response_tokens']:.0f} tokens, truncated "
+        f"{summary['truncated_frac']:.3f}\n"
+        + (f"reward errors (scored 0): {failed}\n" if "reward_errors" in summary else "")
+        + f"samples in {out}"
+    )
     summary_file = out.with_suffix(".summary.json")
-    summary_file.with_suffix(".tmp").write_text(json.dumps({"config": asdict(cfg), **summary}, indent=1))
+    summary_file.with_suffix(".tmp").write_text(
+        json.dumps({"config": asdict(cfg), **summary}, indent=1)
+    )
     summary_file.with_suffix(".tmp").replace(summary_file)
     return summary
 

@@ -1,29 +1,40 @@
-"""What a run records and shows: metrics.jsonl, optional TensorBoard / Weights & Biases, and a PNG of the curves.
+"""What a run records and shows: metrics.jsonl, optional TensorBoard / Weights & Biases, and a PNG
+of the curves.
 
-What it does: RunLog appends one JSON line per step to <run>/metrics.jsonl (and mirrors the numbers to TensorBoard
-or W&B when asked; both are optional installs); on resume it keeps the lines up to the checkpoint's step, so the
-file reads as one uninterrupted run. plot() draws the curves that matter (reward, held-out accuracy, response
-length, KL, clip fraction, step time) from any run folder: `python logs.py runs/<run>` writes runs/<run>/curves.png
-and prints the held-out evaluations as a table (heldout_table).
+What it does: RunLog appends one JSON line per step to <run>/metrics.jsonl (and mirrors the numbers
+to TensorBoard or W&B when asked; both are optional installs); on resume it keeps the lines up to
+the checkpoint's step, so the file reads as one uninterrupted run. plot() draws the curves that
+matter (reward, held-out accuracy, response length, KL, clip fraction, step time) from any run
+folder: `python logs.py runs/<run>` writes runs/<run>/curves.png and prints the held-out evaluations
+as a table (heldout_table).
 
-What it does not do: compute metrics (train.py and dpo.py do), decide when to log (runtime.Run does), or report the
-miniature recipe's stages (tools/recipe.py).
+What it does not do: compute metrics (train.py and dpo.py do), decide when to log (runtime.Run
+does), or report the miniature recipe's stages (tools/recipe.py).
 """
 
 import json
 import sys
 from pathlib import Path
 
-from matplotlib.figure import Figure  # a figure of its own, drawn to a file: no pyplot, no display backend
+# a figure of its own, drawn to a file: no pyplot, no display backend
+from matplotlib.figure import Figure
 
 from checks import check, one_line_errors, writable
 
 
 class RunLog:
-    def __init__(self, out: Path, tensorboard: bool = False, wandb_project: str = "", config: dict | None = None):
+    def __init__(
+        self,
+        out: Path,
+        tensorboard: bool = False,
+        wandb_project: str = "",
+        config: dict | None = None,
+    ):
         self.path = Path(out) / "metrics.jsonl"
         self.tb = self.wb = None
-        if tensorboard:  # optional installs, imported here: runtime.run_checks refuses the flags when they are absent
+        # optional installs, imported here: runtime.run_checks refuses the flags when they are
+        # absent
+        if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(Path(out) / "tensorboard"))
@@ -33,8 +44,13 @@ class RunLog:
             self.wb = wandb.init(project=wandb_project, dir=str(out), config=config or {})
 
     def start(self, keep_until: int | None) -> list[dict]:
-        """A fresh file (keep_until None), or the rows up to step keep_until of an interrupted run."""
-        rows = [r for r in read_rows(self.path) if r["step"] <= keep_until] if keep_until is not None else []
+        """A fresh file (keep_until None), or the rows up to step keep_until of an interrupted
+        run."""
+        rows = (
+            [r for r in read_rows(self.path) if r["step"] <= keep_until]
+            if keep_until is not None
+            else []
+        )
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.replace(self.path)
@@ -59,18 +75,38 @@ class RunLog:
 
 
 PANELS = [  # (title, [(metric, label)])
-    ("reward", [("reward_mean", "training reward"), ("reward_acc", "implicit reward accuracy (DPO)")]),
-    ("held-out accuracy", [("heldout_pass1", "pass@1"), ("heldout_greedy", "greedy"),
-                           ("heldout_pref_acc", "preference accuracy (DPO)")]),
+    (
+        "reward",
+        [("reward_mean", "training reward"), ("reward_acc", "implicit reward accuracy (DPO)")],
+    ),
+    (
+        "held-out accuracy",
+        [
+            ("heldout_pass1", "pass@1"),
+            ("heldout_greedy", "greedy"),
+            ("heldout_pref_acc", "preference accuracy (DPO)"),
+        ],
+    ),
     ("response length (tokens)", [("response_len_mean", "mean")]),
-    ("KL to reference / engine", [("kl", "KL (policy || ref)"), ("gen_kl_error", "gen_kl_error"), ("policy_kl_error", "policy_kl_error")]),
+    (
+        "KL to reference / engine",
+        [
+            ("kl", "KL (policy || ref)"),
+            ("gen_kl_error", "gen_kl_error"),
+            ("policy_kl_error", "policy_kl_error"),
+        ],
+    ),
     ("clip fraction", [("clip_frac_low", "low"), ("clip_frac_high", "high")]),
-    ("seconds per step", [("time_step", "step"), ("time_generate", "generate"), ("time_update", "update")]),
+    (
+        "seconds per step",
+        [("time_step", "step"), ("time_generate", "generate"), ("time_update", "update")],
+    ),
 ]
 
 
 def read_rows(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl ([] when there is none); a last line cut short by a kill is left out."""
+    """The rows of a metrics.jsonl ([] when there is none); a last line cut short by a kill is left
+    out."""
     rows = []
     for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
         try:
@@ -108,23 +144,37 @@ def save_png(fig: Figure, out: Path) -> Path:
 
 
 def heldout_table(rows: list[dict]) -> str:
-    """The run's held-out evaluations as a table: step, pass@1 with its 95% CI (when logged), greedy, minutes in."""
+    """The run's held-out evaluations as a table: step, pass@1 with its 95% CI (when logged),
+    greedy, minutes in."""
     lines = ["| step | held-out pass@1 (95% CI) | held-out greedy | minutes |", "|---|---|---|---|"]
     for r in rows:
         if "heldout_pass1" in r:
-            ci = f" ({r['heldout_pass1_ci95_low']:.3f} to {r['heldout_pass1_ci95_high']:.3f})" \
-                if "heldout_pass1_ci95_low" in r else ""
-            lines.append(f"| {r['step']} | {r['heldout_pass1']:.3f}{ci} | {r.get('heldout_greedy', float('nan')):.3f} "
-                         f"| {r.get('elapsed', 0.0) / 60:.1f} |")
+            ci = (
+                f" ({r['heldout_pass1_ci95_low']:.3f} to {r['heldout_pass1_ci95_high']:.3f})"
+                if "heldout_pass1_ci95_low" in r
+                else ""
+            )
+            lines.append(
+                f"| {r['step']} | {r['heldout_pass1']:.3f}{ci} | "
+                f"{r.get('heldout_greedy', float('nan')):.3f} "
+                f"| {r.get('elapsed', 0.0) / 60:.1f} |"
+            )
     return "\n".join(lines) if len(lines) > 2 else "no held-out evaluations in this run"
 
 
 def main(argv: list[str]) -> None:
     check([(len(argv) == 1, "usage: python logs.py RUN_FOLDER")])
     run = Path(argv[0])
-    check([(run.is_dir(), f"{run}: no such run folder"),
-           (bool(read_rows(run / "metrics.jsonl")), f"{run}: no metrics.jsonl with a readable row"),
-           (writable(run), f"{run}: cannot be written (the PNG goes there)")])
+    check(
+        [
+            (run.is_dir(), f"{run}: no such run folder"),
+            (
+                bool(read_rows(run / "metrics.jsonl")),
+                f"{run}: no metrics.jsonl with a readable row",
+            ),
+            (writable(run), f"{run}: cannot be written (the PNG goes there)"),
+        ]
+    )
     print(plot(run))
     print(heldout_table(read_rows(run / "metrics.jsonl")))
 

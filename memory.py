@@ -1,33 +1,40 @@
-"""Memory per rank for GRPO training, estimated on paper from a model's config: `python memory.py [--config DIR]`.
+"""Memory per rank for GRPO training, estimated on paper from a model's config: `python memory.py
+[--config DIR]`.
 
-What it does: prints a markdown table (the one in docs/distributed.md) of the memory one rank needs at 8K, 16K and
-24K tokens, as train.py runs the DeepScaleR stages: FSDP2 over N ranks with float32 weights, gradients and AdamW
-moments (sharded), float32 gathers for compute (bf16 matmuls come from autocast), activations of one micro-batch,
-the chunked LM head, the gradients a minibatch accumulates unsharded (one reduction per minibatch), and vLLM's
-part: the share of the GPU it takes while it generates (the stage preset's gpu_memory_utilization) against the KV
-cache a rank's sequences need. While the trainer runs, the engine sleeps and holds (almost) nothing.
-`--device cpu` estimates a CPU run instead (float32 compute, each rank's engine holding float32 weights and
-VLLM_CPU_KVCACHE_SPACE of KV cache, and the process's own libraries), the case docs/distributed.md measures.
-The default config is DeepSeek-R1-Distill-Qwen-1.5B's (Qwen2, untied embeddings: 1.78B parameters).
-The frozen reference copy for the KL term is counted where the stage presets turn it on (16K and 24K).
-`--lora-rank R` estimates a LoRA run (train.py --lora-rank R, on every linear layer but the LM head): gradients
-and AdamW moments of the adapters only, and no reference copy (the base with adapters off is the reference).
+What it does: prints a markdown table (the one in docs/distributed.md) of the memory one rank needs
+at 8K, 16K and 24K tokens, as train.py runs the DeepScaleR stages: FSDP2 over N ranks with float32
+weights, gradients and AdamW moments (sharded), float32 gathers for compute (bf16 matmuls come from
+autocast), activations of one micro-batch, the chunked LM head, the gradients a minibatch
+accumulates unsharded (one reduction per minibatch), and vLLM's part: the share of the GPU it takes
+while it generates (the stage preset's gpu_memory_utilization) against the KV cache a rank's
+sequences need. While the trainer runs, the engine sleeps and holds (almost) nothing. `--device cpu`
+estimates a CPU run instead (float32 compute, each rank's engine holding float32 weights and
+VLLM_CPU_KVCACHE_SPACE of KV cache, and the process's own libraries), the case docs/distributed.md
+measures. The default config is DeepSeek-R1-Distill-Qwen-1.5B's (Qwen2, untied embeddings: 1.78B
+parameters). The frozen reference copy for the KL term is counted where the stage presets turn it on
+(16K and 24K). `--lora-rank R` estimates a LoRA run (train.py --lora-rank R, on every linear layer
+but the LM head): gradients and AdamW moments of the adapters only, and no reference copy (the base
+with adapters off is the reference).
 
-What it does not do: measure. These are estimates; docs/distributed.md puts measurements beside them.
-`tokens` (--lengths) is one micro-batch's padded tokens, rows x its longest row (train.py's --micro-batch-tokens,
-or one sequence's length where a sequence is longer), not a sequence's length: 64 sequences of 160 tokens under
-the default budget of 8192 are micro-batches of 51 rows, 8,160 tokens.
-Activation bytes per token per layer kept for backward (b bytes per compute value: 2 in bf16, 4 in float32;
-SDPA attention, transformers' default, so no heads x S^2 scores; SwiGLU MLP), as counted with
-torch.autograd.graph.saved_tensors_hooks on SmolLM2 in float32 (48.5 KB; docs/distributed.md):
-  two RMSNorms: each its input and its normalized input; the projections' inputs      -> b * 6H
-  SDPA: Q, K and V repeated to every head (transformers' repeat_kv), the output      -> b * 4 * heads * head_dim
-  MLP: gate, up, SiLU(gate), their product                                            -> b * 4I
-  on CPU, SDPA also keeps a float32 copy of the [rows, 1, S, S] padding mask per layer -> 4S (S: the longest row)
+What it does not do: measure. These are estimates; docs/distributed.md puts measurements beside
+them. `tokens` (--lengths) is one micro-batch's padded tokens, rows x its longest row (train.py's
+--micro-batch-tokens, or one sequence's length where a sequence is longer), not a sequence's length:
+64 sequences of 160 tokens under the default budget of 8192 are micro-batches of 51 rows, 8,160
+tokens. Activation bytes per token per layer kept for backward (b bytes per compute value: 2 in
+bf16, 4 in float32; SDPA attention, transformers' default, so no heads x S^2 scores; SwiGLU MLP), as
+counted with torch.autograd.graph.saved_tensors_hooks on SmolLM2 in float32 (48.5 KB;
+docs/distributed.md):
+  two RMSNorms: each its input and its normalized input; the projections' inputs  -> b * 6H
+  SDPA: Q, K and V repeated to every head (transformers' repeat_kv), the output
+                                                                     -> b * 4 * heads * head_dim
+  MLP: gate, up, SiLU(gate), their product                                        -> b * 4I
+  on CPU, SDPA also keeps a float32 copy of the [rows, 1, S, S] padding mask per layer
+                                                                     -> 4S (S: the longest row)
   backward of one layer: about as much again (the gradients of those activations)
-With checkpointing only each layer's input (4H bytes: the residual stream is float32) is kept, plus one layer's
-full activations and their gradients while it is recomputed. The LM head's chunk: logits, softmax and their
-gradients, 16 V bytes for each of min(chunk, tokens) positions (only response positions reach it: an upper bound).
+With checkpointing only each layer's input (4H bytes: the residual stream is float32) is kept, plus
+one layer's full activations and their gradients while it is recomputed. The LM head's chunk:
+logits, softmax and their gradients, 16 V bytes for each of min(chunk, tokens) positions (only
+response positions reach it: an upper bound).
 """
 
 from dataclasses import dataclass
@@ -54,17 +61,26 @@ class Shape:
 
     @classmethod
     def from_config(cls, path: str) -> "Shape":
-        """The shape of an HF model folder, or of a built-in base by name (`smollm2`, `tiny`: model.resolve)."""
+        """The shape of an HF model folder, or of a built-in base by name (`smollm2`, `tiny`:
+        model.resolve)."""
         import model  # here: model.resolve builds a built-in base on first use
 
         c = AutoConfig.from_pretrained(model.resolve(path))
-        return cls(c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
-                   c.num_key_value_heads, c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)))
+        return cls(
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.vocab_size,
+            bool(getattr(c, "tie_word_embeddings", False)),
+        )
 
     def params(self) -> tuple[int, int]:
         """(per decoder layer, everything else: embedding, LM head, final norm)"""
         H, I, kv = self.hidden, self.intermediate, self.kv_dim
-        layer = H * (H + 2 * kv) + (H + 2 * kv) + H * H + 3 * H * I + 2 * H  # qkv (+bias), o, mlp, 2 norms
+        # qkv (+bias), o, mlp, 2 norms
+        layer = H * (H + 2 * kv) + (H + 2 * kv) + H * H + 3 * H * I + 2 * H
         rest = self.vocab * H * (1 if self.tied else 2) + H
         return layer, rest
 
@@ -76,24 +92,38 @@ class Shape:
         return 2 * self.layers * self.kv_dim * dtype_bytes  # K and V of every layer
 
     def lora_params(self, rank: int) -> int:
-        """Adapter parameters on every linear layer but the LM head: r x (in + out) for each of q, k, v, o
-        (H -> H, H -> kv, H -> kv, H -> H) and gate, up, down (H -> I, H -> I, I -> H)."""
+        """Adapter parameters on every linear layer but the LM head: r x (in + out) for each of q,
+        k, v, o (H -> H, H -> kv, H -> kv, H -> H) and gate, up, down (H -> I, H -> I, I -> H)."""
         H, I, kv = self.hidden, self.intermediate, self.kv_dim
         return rank * (9 * H + 2 * kv + 3 * I) * self.layers
 
 
-def estimate(s: Shape, tokens: int, ranks: int = 8, seqs_per_rank: int = 128, chunk_tokens: int = 1024,
-             checkpointing: bool = True, micro_batches: int = 2, device: Literal["gpu", "cpu"] = "gpu",
-             vllm_fraction: float | None = None, gpu_gib: float = GPU_GIB, kv_cache_gib: float = 1.0,
-             process_gib: float = 0.85, lora_rank: int = 0, reference: bool | None = None,
-             seq_len: int = 0) -> dict[str, float]:
-    """GiB per rank, one micro-batch of `tokens` padded tokens whose longest row is `seq_len` (0: one sequence of
-    `tokens`). micro_batches: per minibatch on this rank (more than one: the gradients accumulate unsharded until
-    the minibatch's one reduction). lora_rank > 0: LoRA adapters train, the base is frozen. reference: whether the
-    KL term is on (default: as the stage presets, beyond 8K tokens)."""
+def estimate(
+    s: Shape,
+    tokens: int,
+    ranks: int = 8,
+    seqs_per_rank: int = 128,
+    chunk_tokens: int = 1024,
+    checkpointing: bool = True,
+    micro_batches: int = 2,
+    device: Literal["gpu", "cpu"] = "gpu",
+    vllm_fraction: float | None = None,
+    gpu_gib: float = GPU_GIB,
+    kv_cache_gib: float = 1.0,
+    process_gib: float = 0.85,
+    lora_rank: int = 0,
+    reference: bool | None = None,
+    seq_len: int = 0,
+) -> dict[str, float]:
+    """GiB per rank, one micro-batch of `tokens` padded tokens whose longest row is `seq_len` (0:
+    one sequence of `tokens`). micro_batches: per minibatch on this rank (more than one: the
+    gradients accumulate unsharded until the minibatch's one reduction). lora_rank > 0: LoRA
+    adapters train, the base is frozen. reference: whether the KL term is on (default: as the stage
+    presets, beyond 8K tokens)."""
     layer, rest = s.params()
     P = layer * s.layers + rest
-    T = s.lora_params(lora_rank) if lora_rank else P  # what trains: gradients and AdamW moments exist for these
+    # what trains: gradients and AdamW moments exist for these
+    T = s.lora_params(lora_rank) if lora_rank else P
     reference = tokens > 8192 if reference is None else reference
     b = 2 if device == "gpu" else 4  # compute bytes: autocast's bf16 on GPU, float32 on CPU
     H, I, S = s.hidden, s.intermediate, seq_len or tokens
@@ -111,66 +141,107 @@ def estimate(s: Shape, tokens: int, ranks: int = 8, seqs_per_rank: int = 128, ch
         "fp32 weights (sharded)": 4 * (P + (T if lora_rank else 0)) / ranks / GiB,
         "AdamW moments (sharded)": 8 * T / ranks / GiB,
         "fp32 gradients (sharded)": 4 * T / ranks / GiB,
-        "fp32 gradients accumulating (unsharded)": (4 * T if micro_batches > 1 and ranks > 1 else 0) / GiB,
-        # the frozen start model for the KL term; with LoRA the base with adapters off is that model: no copy
-        "reference copy for the KL term (fp32, sharded)": (4 * P / ranks if reference and not lora_rank else 0) / GiB,
+        "fp32 gradients accumulating (unsharded)": (4 * T if micro_batches > 1 and ranks > 1 else 0)
+        / GiB,
+        # the frozen start model for the KL term; with LoRA the base with adapters off is that
+        # model: no copy
+        "reference copy for the KL term (fp32, sharded)": (
+            4 * P / ranks if reference and not lora_rank else 0
+        )
+        / GiB,
         "fp32 gathered: root + 2 layers": (4 * (rest + 2 * layer) if ranks > 1 else 0) / GiB,
-        "root's full gradients in backward (embedding, head)":
-            (4 * rest if ranks > 1 and micro_batches == 1 and not lora_rank else 0) / GiB,
-        # FSDP2 gathers a group into one flat buffer, then copies it out into the parameters (and reduces from one
-        # flat copy of the gradients): for a moment the largest group, the root, exists twice
-        "FSDP's flat gather / reduce buffer (the root's group)": (4 * rest if ranks > 1 else 0) / GiB,
+        "root's full gradients in backward (embedding, head)": (
+            4 * rest if ranks > 1 and micro_batches == 1 and not lora_rank else 0
+        )
+        / GiB,
+        # FSDP2 gathers a group into one flat buffer, then copies it out into the parameters (and
+        # reduces from one flat copy of the gradients): for a moment the largest group, the root,
+        # exists twice
+        "FSDP's flat gather / reduce buffer (the root's group)": (4 * rest if ranks > 1 else 0)
+        / GiB,
         "activations (one micro-batch)": acts / GiB,
-        "LM head: final hidden states (fp32)": 2 * 4 * H * tokens / GiB,  # the hidden states and the gathered rows
-        "LM head: one chunk's logits, softmax and their gradients": 4 * 4 * min(chunk_tokens, tokens) * s.vocab / GiB,
+        # the hidden states and the gathered rows
+        "LM head: final hidden states (fp32)": 2 * 4 * H * tokens / GiB,
+        "LM head: one chunk's logits, softmax and their gradients": 4
+        * 4
+        * min(chunk_tokens, tokens)
+        * s.vocab
+        / GiB,
     }
     if device == "gpu":
         share = STAGE_SHARES.get(tokens, 0.6) if vllm_fraction is None else vllm_fraction
         rows["vLLM share while generating (gpu_memory_utilization)"] = share * gpu_gib
         rows["vLLM weights (bf16)"] = 2 * P / GiB
-        rows["vLLM KV cache, a rank's sequences at full length"] = s.kv_bytes_per_token() * tokens * seqs_per_rank / GiB
+        rows["vLLM KV cache, a rank's sequences at full length"] = (
+            s.kv_bytes_per_token() * tokens * seqs_per_rank / GiB
+        )
     else:
         rows["vLLM weights (fp32, a full copy per rank)"] = 4 * P / GiB
         rows["vLLM KV cache (VLLM_CPU_KVCACHE_SPACE)"] = kv_cache_gib
-        rows["vLLM's own buffers (CPU)"] = 0.2  # measured on SmolLM2: what its start adds beyond weights and cache
+        # measured on SmolLM2: what its start adds beyond weights and cache
+        rows["vLLM's own buffers (CPU)"] = 0.2
         rows["the process itself (Python, torch, vLLM)"] = process_gib
-        # glibc's heap keeps freed activations for reuse (distributed.reuse_freed_memory), and what it keeps beyond
-        # the live tensors grows with the micro-batch: half the activations' and the LM head's bytes, fitted to the
-        # measured peaks in docs/distributed.md ("Memory on CPU, measured")
+        # glibc's heap keeps freed activations for reuse (distributed.reuse_freed_memory), and what
+        # it keeps beyond the live tensors grows with the micro-batch: half the activations' and the
+        # LM head's bytes, fitted to the measured peaks in docs/distributed.md ("Memory on CPU,
+        # measured")
         rows["the process's heap beyond its live tensors (CPU)"] = 0.5 * (
-            rows["activations (one micro-batch)"] + rows["LM head: one chunk's logits, softmax and their gradients"])
+            rows["activations (one micro-batch)"]
+            + rows["LM head: one chunk's logits, softmax and their gradients"]
+        )
     return rows
 
 
-TRAINING = ("fp32 weights (sharded)", "AdamW moments (sharded)", "fp32 gradients (sharded)",
-            "fp32 gradients accumulating (unsharded)", "reference copy for the KL term (fp32, sharded)",
-            "fp32 gathered: root + 2 layers",
-            "root's full gradients in backward (embedding, head)", "FSDP's flat gather / reduce buffer (the root's group)",
-            "activations (one micro-batch)",
-            "LM head: final hidden states (fp32)", "LM head: one chunk's logits, softmax and their gradients")
+TRAINING = (
+    "fp32 weights (sharded)",
+    "AdamW moments (sharded)",
+    "fp32 gradients (sharded)",
+    "fp32 gradients accumulating (unsharded)",
+    "reference copy for the KL term (fp32, sharded)",
+    "fp32 gathered: root + 2 layers",
+    "root's full gradients in backward (embedding, head)",
+    "FSDP's flat gather / reduce buffer (the root's group)",
+    "activations (one micro-batch)",
+    "LM head: final hidden states (fp32)",
+    "LM head: one chunk's logits, softmax and their gradients",
+)
 # what the trainer keeps while vLLM generates
-RESIDENT = ("fp32 weights (sharded)", "AdamW moments (sharded)", "reference copy for the KL term (fp32, sharded)")
+RESIDENT = (
+    "fp32 weights (sharded)",
+    "AdamW moments (sharded)",
+    "reference copy for the KL term (fp32, sharded)",
+)
 
 
 def totals(rows: dict[str, float]) -> dict[str, float]:
-    """The sums a reader checks: the trainer's peak, and (GPU) whether vLLM's share fits beside what the trainer
-    keeps while it generates, and how much KV cache the share leaves; (CPU) the whole process's peak."""
+    """The sums a reader checks: the trainer's peak, and (GPU) whether vLLM's share fits beside what
+    the trainer keeps while it generates, and how much KV cache the share leaves; (CPU) the whole
+    process's peak."""
     train = sum(rows[k] for k in TRAINING)
     if "vLLM share while generating (gpu_memory_utilization)" not in rows:
         engine = sum(v for k, v in rows.items() if k.startswith(("vLLM", "the process")))
-        return {"training peak": train, "process peak (trainer + engine + libraries)": train + engine}
+        return {
+            "training peak": train,
+            "process peak (trainer + engine + libraries)": train + engine,
+        }
     share = rows["vLLM share while generating (gpu_memory_utilization)"]
-    return {"training peak (vLLM asleep)": train,
-            "while generating: trainer's resident state + vLLM's share": sum(rows[k] for k in RESIDENT) + share,
-            "KV cache the share leaves (share - weights - ~2 GiB of activations)":
-                share - rows["vLLM weights (bf16)"] - 2.0}
+    return {
+        "training peak (vLLM asleep)": train,
+        "while generating: trainer's resident state + vLLM's share": sum(rows[k] for k in RESIDENT)
+        + share,
+        "KV cache the share leaves (share - weights - ~2 GiB of activations)": share
+        - rows["vLLM weights (bf16)"]
+        - 2.0,
+    }
 
 
 def table(s: Shape, lengths=(8192, 16384, 24576), **kw) -> str:
     rows = {n: estimate(s, n, **kw) for n in lengths}
     tots = {n: totals(rows[n]) for n in lengths}
-    out = ["| GiB per rank | " + " | ".join(f"{n // 1024}K tokens" for n in lengths) + " |",
-           "|---|" + "---|" * len(lengths)]
+    out = [
+        "| GiB per rank | " + " | ".join(f"{n // 1024}K tokens" for n in lengths) + " |",
+        "|---|" + "---|" * len(lengths),
+    ]
     for k in rows[lengths[0]]:
         out.append(f"| {k} | " + " | ".join(f"{rows[n][k]:.2f}" for n in lengths) + " |")
     for k in tots[lengths[0]]:
@@ -179,20 +250,49 @@ def table(s: Shape, lengths=(8192, 16384, 24576), **kw) -> str:
 
 
 if __name__ == "__main__":
-    def main(config: str = "", model: str = "", ranks: int = 8, seqs_per_rank: int = 128, chunk_tokens: int = 1024,
-             checkpointing: bool = True, micro_batches: int = 2, device: Literal["gpu", "cpu"] = "gpu",
-             vllm_fraction: float | None = None, gpu_gib: float = GPU_GIB, lengths: tuple[int, ...] = (8192, 16384, 24576),
-             seq_len: int = 0, kv_cache_gib: float = 1.0, process_gib: float = 0.85, lora_rank: int = 0):
-        """config / model (the same): an HF model folder or a built-in base's name, as train.py's --model (default:
-        DeepSeek-R1-Distill-Qwen-1.5B's shape). lengths: one micro-batch's padded tokens (rows x longest row), one
-        table column each. seq_len: the micro-batch's longest row (0: one sequence of `lengths` tokens). vllm_fraction:
-        vLLM's GPU share (default: the stage preset's for 8K / 16K / 24K). micro_batches: per minibatch on one rank.
-        lora_rank: LoRA adapters of this rank on every linear layer but the LM head (0: full fine-tuning)."""
+
+    def main(
+        config: str = "",
+        model: str = "",
+        ranks: int = 8,
+        seqs_per_rank: int = 128,
+        chunk_tokens: int = 1024,
+        checkpointing: bool = True,
+        micro_batches: int = 2,
+        device: Literal["gpu", "cpu"] = "gpu",
+        vllm_fraction: float | None = None,
+        gpu_gib: float = GPU_GIB,
+        lengths: tuple[int, ...] = (8192, 16384, 24576),
+        seq_len: int = 0,
+        kv_cache_gib: float = 1.0,
+        process_gib: float = 0.85,
+        lora_rank: int = 0,
+    ):
+        """config / model (the same): an HF model folder or a built-in base's name, as train.py's
+        --model (default: DeepSeek-R1-Distill-Qwen-1.5B's shape). lengths: one micro-batch's padded
+        tokens (rows x longest row), one table column each. seq_len: the micro-batch's longest row
+        (0: one sequence of `lengths` tokens). vllm_fraction: vLLM's GPU share (default: the stage
+        preset's for 8K / 16K / 24K). micro_batches: per minibatch on one rank. lora_rank: LoRA
+        adapters of this rank on every linear layer but the LM head (0: full fine-tuning)."""
         path = model or config
         s = Shape.from_config(path) if path else Shape()
-        print(table(s, lengths, ranks=ranks, seqs_per_rank=seqs_per_rank, chunk_tokens=chunk_tokens,
-                    checkpointing=checkpointing, micro_batches=micro_batches, device=device,
-                    vllm_fraction=vllm_fraction, gpu_gib=gpu_gib, kv_cache_gib=kv_cache_gib, process_gib=process_gib,
-                    lora_rank=lora_rank, seq_len=seq_len))
+        print(
+            table(
+                s,
+                lengths,
+                ranks=ranks,
+                seqs_per_rank=seqs_per_rank,
+                chunk_tokens=chunk_tokens,
+                checkpointing=checkpointing,
+                micro_batches=micro_batches,
+                device=device,
+                vllm_fraction=vllm_fraction,
+                gpu_gib=gpu_gib,
+                kv_cache_gib=kv_cache_gib,
+                process_gib=process_gib,
+                lora_rank=lora_rank,
+                seq_len=seq_len,
+            )
+        )
 
     tyro.cli(main)

@@ -1,19 +1,23 @@
-"""Models and tokenizers: loading any HF causal LM, the trainer's sharded copy of it, and per-token logprobs.
+"""Models and tokenizers: loading any HF causal LM, the trainer's sharded copy of it, and per-token
+logprobs.
 
 What it does:
-- load_model / load_tokenizer: any HF causal LM by local path or hub name; trust_remote_code stays off unless the
-  caller turns it on (a model that needs it raises a UserError that says so).
-- resolve: what a --model value names: a built-in base's name (`tiny`, `tiny-math`, `r1-shape`: demo/bases.py builds it
-  on first use into DEFAULT_CACHE), else the value itself; model_checks: what is wrong with a --model value, in
-  one line, before anything loads.
-- load_trainable: the trainer's model: float32 master weights, with LoRA adapters on it for --lora-rank > 0
-  (lora.py), wrapped to return logprobs (LogprobModel), sharded over the ranks (distributed.shard).
-- hf_weights: the full weights of the model the policy is, under HF's names, as the engine's refit and an HF
-  export take them (with LoRA: base and adapters merged).
-- token_logprobs: log pi(y_t | y_<t) of the response tokens, chunked over tokens so that float32 logits over the
-  vocabulary exist for at most `chunk_tokens` positions at a time, with or without grad.
+- load_model / load_tokenizer: any HF causal LM by local path or hub name; trust_remote_code stays
+  off unless the caller turns it on (a model that needs it raises a UserError that says so).
+- resolve: what a --model value names: a built-in base's name (`tiny`, `tiny-math`, `r1-shape`:
+  demo/bases.py builds it on first use into DEFAULT_CACHE), else the value itself; model_checks:
+  what is wrong with a --model value, in one line, before anything loads.
+- load_trainable: the trainer's model: float32 master weights, with LoRA adapters on it for
+  --lora-rank > 0 (lora.py), wrapped to return logprobs (LogprobModel), sharded over the ranks
+  (distributed.shard).
+- hf_weights: the full weights of the model the policy is, under HF's names, as the engine's refit
+  and an HF export take them (with LoRA: base and adapters merged).
+- token_logprobs: log pi(y_t | y_<t) of the response tokens, chunked over tokens so that float32
+  logits over the vocabulary exist for at most `chunk_tokens` positions at a time, with or without
+  grad.
 
-What it does not do: build the demos' base models (demo/bases.py), generation (rollout.py), or the loss (grpo.py).
+What it does not do: build the demos' base models (demo/bases.py), generation (rollout.py), or the
+loss (grpo.py).
 """
 
 import os
@@ -28,31 +32,42 @@ import lora
 from checks import UserError
 from demo import bases
 
-# what this project builds or measures once per machine: the built-in bases, HFEngine's CPU decoding choice
+# what this project builds or measures once per machine: the built-in bases, HFEngine's CPU decoding
+# choice
 DEFAULT_CACHE = Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-minimal"))
 
 
 def resolve(name: str) -> str:
-    """The path of a --model value: a built-in base's name (built on first use, cached), else the value itself."""
+    """The path of a --model value: a built-in base's name (built on first use, cached), else the
+    value itself."""
     return bases.ensure(name, DEFAULT_CACHE) if name in bases.BUILTIN else name
 
 
 def model_checks(flag: str, value: str) -> list[tuple[bool, str]]:
-    """A --model value is a built-in base's name, an HF model folder, or (where no such path exists) a hub name."""
+    """A --model value is a built-in base's name, an HF model folder, or (where no such path exists)
+    a hub name."""
     if value in bases.BUILTIN:
         return []
     p = Path(value)
     return [
         (not p.exists() or p.is_dir(), f"{flag} {value}: a file, not an HF model folder"),
-        (not p.is_dir() or (p / "config.json").is_file(), f"{flag} {value}: not an HF model folder (no config.json)"),
-        (p.exists() or value.count("/") == 1,
-         f"{flag} {value}: no such folder, and not a hub name like org/name (built-in: {', '.join(bases.BUILTIN)})"),
+        (
+            not p.is_dir() or (p / "config.json").is_file(),
+            f"{flag} {value}: not an HF model folder (no config.json)",
+        ),
+        (
+            p.exists() or value.count("/") == 1,
+            f"{flag} {value}: no such folder, and not a hub name like org/name (built-in: "
+            f"{', '.join(bases.BUILTIN)})",
+        ),
     ]
 
 
 def _needs_remote_code(path: str, err: Exception):
     if "trust_remote_code" in str(err):
-        raise UserError(f"{path} ships its own model code; pass --trust-remote-code if you trust it") from err
+        raise UserError(
+            f"{path} ships its own model code; pass --trust-remote-code if you trust it"
+        ) from err
     raise err
 
 
@@ -62,7 +77,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     except ValueError as err:
         _needs_remote_code(path, err)
     except OSError as err:  # a hub name without network, or a folder without tokenizer files
-        raise UserError(f"{path}: no tokenizer could be loaded ({str(err).splitlines()[0][:160]})") from err
+        raise UserError(
+            f"{path}: no tokenizer could be loaded ({str(err).splitlines()[0][:160]})"
+        ) from err
     if tok.pad_token_id is None:  # right padding only ever fills positions the loss masks out
         tok.pad_token = tok.eos_token
     return tok
@@ -70,18 +87,27 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code
+        )
     except ValueError as err:
         _needs_remote_code(path, err)
 
 
-def load_trainable(path: str, device, checkpointing: bool, trust_remote_code: bool = False,
-                   dtype: torch.dtype = torch.float32, adapters: lora.Adapters | None = None) -> "LogprobModel":
-    """An HF model in float32 (the optimizer's master weights), wrapped to return logprobs, sharded over ranks;
-    with `adapters` on (--lora-rank > 0) its weights are frozen and LoRA adapters are what trains (lora.wrap).
-    The tests pass float64 to compare world sizes and micro-batchings without float32's summation-order noise.
-    Loaded on the CPU and sharded before it reaches the device, so no GPU holds the whole float32 model
-    (distributed.shard). bf16 compute is autocast's (runtime.autocast), the same at any world size."""
+def load_trainable(
+    path: str,
+    device,
+    checkpointing: bool,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    adapters: lora.Adapters | None = None,
+) -> "LogprobModel":
+    """An HF model in float32 (the optimizer's master weights), wrapped to return logprobs, sharded
+    over ranks; with `adapters` on (--lora-rank > 0) its weights are frozen and LoRA adapters are
+    what trains (lora.wrap). The tests pass float64 to compare world sizes and micro-batchings
+    without float32's summation-order noise. Loaded on the CPU and sharded before it reaches the
+    device, so no GPU holds the whole float32 model (distributed.shard). bf16 compute is autocast's
+    (runtime.autocast), the same at any world size."""
     lm = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
     if adapters is not None and adapters.on:
         lm = lora.wrap(lm, adapters)
@@ -89,26 +115,29 @@ def load_trainable(path: str, device, checkpointing: bool, trust_remote_code: bo
 
 
 def hf_weights(lm, dtype: torch.dtype | None = None):
-    """(HF name, full tensor) of every weight of the model `lm` computes, gathered from the shards in bounded
-    buckets (distributed.full_weights; a collective). Full fine-tuning: its parameters, cast to `dtype` before the
-    gather. LoRA (a peft model): W + (alpha / r) B @ A for each adapted layer, merged on the shards in the
-    trainer's precision (lora.merged), then cast to `dtype` and gathered like the full-weight path's tensors."""
+    """(HF name, full tensor) of every weight of the model `lm` computes, gathered from the shards
+    in bounded buckets (distributed.full_weights; a collective). Full fine-tuning: its parameters,
+    cast to `dtype` before the gather. LoRA (a peft model): W + (alpha / r) B @ A for each adapted
+    layer, merged on the shards in the trainer's precision (lora.merged), then cast to `dtype` and
+    gathered like the full-weight path's tensors."""
     if not lora.is_lora(lm):
         return distributed.full_weights(lm, dtype)
     return distributed.full_tensors(lora.merged(lm.named_parameters(), lora.scale_of(lm)), dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Per-token logprobs
 
 
 def _logp_entropy_chunk(hidden, lm_head_weight, targets, temperature: float, with_entropy: bool):
-    # The head's matmul itself in float32 (float64 stays float64: the equivalence tests), outside autocast: logits
-    # of 20-30 computed in bf16 carry errors of ~0.06 in a token's logprob, before any later cast could help. vLLM
-    # computes its head in float32 too (rollout.py), so trainer and engine agree.
+    # The head's matmul itself in float32 (float64 stays float64: the equivalence tests), outside
+    # autocast: logits of 20-30 computed in bf16 carry errors of ~0.06 in a token's logprob, before
+    # any later cast could help. vLLM computes its head in float32 too (rollout.py), so trainer and
+    # engine agree.
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     with torch.autocast(hidden.device.type, enabled=False):
-        logits = hidden.to(dtype) @ lm_head_weight.to(dtype).t() / temperature  # [n, V], only n tokens at a time
+        # [n, V], only n tokens at a time
+        logits = hidden.to(dtype) @ lm_head_weight.to(dtype).t() / temperature
     logz = torch.logsumexp(logits, dim=-1)  # [n]
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # [n]
     if not with_entropy:
@@ -121,9 +150,9 @@ def _logp_entropy_chunk(hidden, lm_head_weight, targets, temperature: float, wit
 class LogprobModel(torch.nn.Module):
     """An HF causal LM whose forward returns the response tokens' logprobs instead of logits.
 
-    It exists so that the logprob computation *is* a module's forward: FSDP2 wraps this module as the root, and
-    gathers the root's parameters (embeddings, final norm, LM head) only around a root forward. Calling the
-    decoder and the LM head separately on a sharded model would bypass that.
+    It exists so that the logprob computation *is* a module's forward: FSDP2 wraps this module as
+    the root, and gathers the root's parameters (embeddings, final norm, LM head) only around a root
+    forward. Calling the decoder and the LM head separately on a sharded model would bypass that.
     """
 
     def __init__(self, lm):
@@ -140,16 +169,19 @@ class LogprobModel(torch.nn.Module):
         chunk_tokens: int = 4096,
         with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprobs [B, T] of the response tokens (and the policy's entropy there), zero past each row's end.
+        """Logprobs [B, T] of the response tokens (and the policy's entropy there), zero past each
+        row's end.
 
-        Only the hidden states that predict response tokens go through the LM head, in chunks of `chunk_tokens`
-        positions. With grad enabled each chunk is recomputed in backward (activation checkpointing), so the
-        float32 logits of the whole batch never exist at once: memory is O(chunk_tokens x vocab), not
-        O(B x T x vocab). Logits are divided by the sampling temperature: these are the logprobs of the
-        distribution that was sampled from.
+        Only the hidden states that predict response tokens go through the LM head, in chunks of
+        `chunk_tokens` positions. With grad enabled each chunk is recomputed in backward (activation
+        checkpointing), so the float32 logits of the whole batch never exist at once: memory is
+        O(chunk_tokens x vocab), not O(B x T x vocab). Logits are divided by the sampling
+        temperature: these are the logprobs of the distribution that was sampled from.
         """
         B, L = input_ids.shape
-        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
+        hidden = self.lm.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask
+        ).last_hidden_state  # [B, L, H]
         # position resp_start + t - 1 predicts response token t
         t = torch.arange(resp_len, device=input_ids.device)  # [T]
         tgt_pos = resp_start[:, None] + t[None, :]  # [B, T]
@@ -161,7 +193,13 @@ class LogprobModel(torch.nn.Module):
         w = self.lm.get_output_embeddings().weight  # [V, H]
         logps, ents = [], []
         for s in range(0, h.shape[0], chunk_tokens):
-            args = (h[s : s + chunk_tokens], w, targets[s : s + chunk_tokens], temperature, with_entropy)
+            args = (
+                h[s : s + chunk_tokens],
+                w,
+                targets[s : s + chunk_tokens],
+                temperature,
+                with_entropy,
+            )
             if torch.is_grad_enabled():
                 lp, en = checkpoint(_logp_entropy_chunk, *args, use_reentrant=False)
             else:
@@ -177,8 +215,19 @@ class LogprobModel(torch.nn.Module):
         return out_lp, out_en
 
 
-def token_logprobs(model, input_ids, attention_mask, resp_start, resp_len, temperature=1.0, chunk_tokens=4096,
-                   with_entropy=False) -> tuple[torch.Tensor, torch.Tensor]:
-    """LogprobModel's forward for an HF model or a LogprobModel (see there for shapes and memory)."""
+def token_logprobs(
+    model,
+    input_ids,
+    attention_mask,
+    resp_start,
+    resp_len,
+    temperature=1.0,
+    chunk_tokens=4096,
+    with_entropy=False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LogprobModel's forward for an HF model or a LogprobModel (see there for shapes and
+    memory)."""
     m = model if isinstance(model, LogprobModel) else LogprobModel(model)
-    return m(input_ids, attention_mask, resp_start, resp_len, temperature, chunk_tokens, with_entropy)
+    return m(
+        input_ids, attention_mask, resp_start, resp_len, temperature, chunk_tokens, with_entropy
+    )

@@ -1,14 +1,16 @@
-"""Rollout engines: G samples per prompt from token ids, with the engine's logprob of every sampled token.
+"""Rollout engines: G samples per prompt from token ids, with the engine's logprob of every sampled
+token.
 
 What it does: two engines with one interface (the `Engine` protocol).
-- VLLMEngine (default): a vLLM engine living in the training process (no server, no second process), which
-  GRPO uses because generation dominates a step on GPUs. Refit loads the trainer's weights into it in place with
-  vLLM's `reload_weights`, from an iterator of (name, tensor), so the full model never needs a second copy.
-- HFEngine: transformers' `generate` on a model of its own; for machines without vLLM and as an independent
-  reference for the vLLM engine in tests.
+- VLLMEngine (default): a vLLM engine living in the training process (no server, no second process),
+  which GRPO uses because generation dominates a step on GPUs. Refit loads the trainer's weights
+  into it in place with vLLM's `reload_weights`, from an iterator of (name, tensor), so the full
+  model never needs a second copy.
+- HFEngine: transformers' `generate` on a model of its own; for machines without vLLM and as an
+  independent reference for the vLLM engine in tests.
 
-What it does not do: decide what to generate (train.py), score responses (reward.py), or gather sharded weights
-(distributed.py streams them; this file only consumes the stream).
+What it does not do: decide what to generate (train.py), score responses (reward.py), or gather
+sharded weights (distributed.py streams them; this file only consumes the stream).
 """
 
 import hashlib
@@ -31,28 +33,38 @@ import model
 class Sample:
     prompt_idx: int  # which prompt of the request this sample answers
     token_ids: list[int]  # response tokens, including the EOS token when the response stopped on it
-    logprobs: list[float]  # the engine's log pi(token) for each response token, at the sampling temperature
+    logprobs: list[
+        float
+    ]  # the engine's log pi(token) for each response token, at the sampling temperature
     truncated: bool  # hit max_tokens without stopping
 
 
 class Engine(Protocol):
-    device_bytes: int  # what the engine holds in torch's GPU allocator, asleep or not (0 on CPU): the trainer's
+    # what the engine holds in torch's GPU allocator, asleep or not (0 on CPU): the trainer's
+    device_bytes: int
     #   peak memory is the device's peak less this
 
     def generate(
-        self, prompts: list[list[int]], n: int, max_tokens: int | list[int], temperature: float = 1.0,
-        top_p: float = 1.0, seed: int | None = None, progress: bool = False, min_tokens: int = 0,
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_tokens: int | list[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        progress: bool = False,
+        min_tokens: int = 0,
         first_index: int = 0,
     ) -> list[Sample]:
         """n samples for each prompt, ordered prompt-major: samples of prompt i are [i*n, (i+1)*n).
         max_tokens: one limit, or one per prompt (what the prompt leaves of the sequence length).
-        progress: show a progress bar (long rollouts on GPUs). min_tokens: EOS is masked before this many tokens
-        (fixed-length benchmark workloads). first_index: see VLLMEngine.generate."""
+        progress: show a progress bar (long rollouts on GPUs). min_tokens: EOS is masked before this
+        many tokens (fixed-length benchmark workloads). first_index: see VLLMEngine.generate."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights with the trainer's (HF names, full tensors), in place; wakes a sleeping
-        engine."""
+        """Replace the engine's weights with the trainer's (HF names, full tensors), in place; wakes
+        a sleeping engine."""
         ...
 
     def sleep(self) -> None:
@@ -65,64 +77,97 @@ class Engine(Protocol):
 
 
 class VLLMEngine:
-    """vLLM's offline LLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), colocated with the trainer.
+    """vLLM's offline LLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), colocated with the
+    trainer.
 
-    On GPU, beside a trainer (`colocated`), it sleeps between rollouts (vLLM sleep mode, level 2: the KV cache and
-    the weights are freed, the model's buffers kept), so the logprob and update passes get its memory back; the
-    refit loads every weight anyway, so nothing needs to wait in host memory (level 1 would copy all of it out and
-    back for nothing). The order is what keeps it correct: a sleeping engine refuses to generate, and load_weights
-    wakes the weights' memory first and writes the new weights into it (vLLM's reload copies into the same
-    tensors, so the next sleep frees them again), then wakes the KV cache, then drops cached prefixes. vLLM has
-    no sleep mode on CPU; there sleep() does nothing. Alone (eval_aime.py) it takes most of the GPU and never
+    On GPU, beside a trainer (`colocated`), it sleeps between rollouts (vLLM sleep mode, level 2:
+    the KV cache and the weights are freed, the model's buffers kept), so the logprob and update
+    passes get its memory back; the refit loads every weight anyway, so nothing needs to wait in
+    host memory (level 1 would copy all of it out and back for nothing). The order is what keeps it
+    correct: a sleeping engine refuses to generate, and load_weights wakes the weights' memory first
+    and writes the new weights into it (vLLM's reload copies into the same tensors, so the next
+    sleep frees them again), then wakes the KV cache, then drops cached prefixes. vLLM has no sleep
+    mode on CPU; there sleep() does nothing. Alone (eval_aime.py) it takes most of the GPU and never
     sleeps.
 
-    Its LM head runs in float32 (vLLM's `head_dtype` override), as the trainer's does (model.py): bf16 logits of
-    20-30 carry errors of ~0.06 in a token's logprob, which the engine/trainer mismatch metrics would report as
-    policy drift.
+    Its LM head runs in float32 (vLLM's `head_dtype` override), as the trainer's does (model.py):
+    bf16 logits of 20-30 carry errors of ~0.06 in a token's logprob, which the engine/trainer
+    mismatch metrics would report as policy drift.
 
-    On CPU it guards the trainer's threads: vLLM's CPU worker binds OpenMP threads to cores, drops torch to one
-    thread, and replaces torch.set_num_threads with a no-op; a colocated trainer would silently lose a core. We
-    ask vLLM not to bind, keep the original set_num_threads, and restore the thread count after start-up.
+    On CPU it guards the trainer's threads: vLLM's CPU worker binds OpenMP threads to cores, drops
+    torch to one thread, and replaces torch.set_num_threads with a no-op; a colocated trainer would
+    silently lose a core. We ask vLLM not to bind, keep the original set_num_threads, and restore
+    the thread count after start-up.
     """
 
     def __init__(
-        self, model_path: str, max_model_len: int, seed: int = 0, dtype: str = "auto",
-        gpu_memory_utilization: float = 0.6, colocated: bool = True, tensor_parallel_size: int = 1,
-        trust_remote_code: bool = False, kv_cache_gib: int = 1, external_launcher: bool = False,
+        self,
+        model_path: str,
+        max_model_len: int,
+        seed: int = 0,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.6,
+        colocated: bool = True,
+        tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False,
+        kv_cache_gib: int = 1,
+        external_launcher: bool = False,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         on_cpu = not torch.cuda.is_available()
-        # its per-refit INFO lines would drown the progress bar; on CPU its start-up warnings (no tcmalloc, no
-        # Triton, eager mode, the global seed) concern a GPU server, not this tiny colocated engine
+        # its per-refit INFO lines would drown the progress bar; on CPU its start-up warnings (no
+        # tcmalloc, no Triton, eager mode, the global seed) concern a GPU server, not this tiny
+        # colocated engine
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR" if on_cpu else "WARNING")
-        warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op.*", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*torch.distributed.reduce_op.*", category=FutureWarning
+        )
         self.can_sleep, self.asleep = colocated and not on_cpu, False
         if on_cpu:
-            dtype = "float32" if dtype == "auto" else dtype  # vLLM's auto would run float32 weights in bfloat16
+            dtype = (
+                "float32" if dtype == "auto" else dtype
+            )  # vLLM's auto would run float32 weights in bfloat16
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-        # its stub warns "CPU backend doesn't allow to use torch.set_num_threads" at each call during start-up; the
-        # real one is back right after (below), so the warning would only puzzle a user
-        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(lambda r: "set_num_threads" not in r.getMessage())
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # stops vLLM from dropping torch to one thread
-        from vllm import LLM  # here, not at the top: after the settings above, and HFEngine needs no vLLM installed
+        # its stub warns "CPU backend doesn't allow to use torch.set_num_threads" at each call
+        # during start-up; the real one is back right after (below), so the warning would only
+        # puzzle a user
+        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
+            lambda r: "set_num_threads" not in r.getMessage()
+        )
+        os.environ.setdefault(
+            "OMP_NUM_THREADS", str(threads)
+        )  # stops vLLM from dropping torch to one thread
+        from vllm import (
+            LLM,
+        )  # here, not at the top: after the settings above, and HFEngine needs no vLLM installed
 
         kwargs = dict(
-            model=model_path, max_model_len=max_model_len, seed=seed, dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size, trust_remote_code=trust_remote_code,
-            logprobs_mode="processed_logprobs",  # logprobs after temperature: the distribution we sampled from
+            model=model_path,
+            max_model_len=max_model_len,
+            seed=seed,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            trust_remote_code=trust_remote_code,
+            # logprobs after temperature: the distribution we sampled from
+            logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,  # the G samples of a prompt share its KV cache
-            hf_overrides={"head_dtype": "float32"},  # the LM head in float32, as the trainer computes it
+            hf_overrides={
+                "head_dtype": "float32"
+            },  # the LM head in float32, as the trainer computes it
         )
         if external_launcher:  # one engine per torchrun rank, sharing torchrun's process group
             kwargs["distributed_executor_backend"] = "external_launcher"
         if on_cpu:
             kwargs["enforce_eager"] = True
-            # vllm-cpu's V1 runner crashes on a seeded request whose prompt is prefilled in chunks ("CPU Generator
-            # does not use offset", seen at 8K-token prompts): on CPU every prompt is prefilled whole
+            # vllm-cpu's V1 runner crashes on a seeded request whose prompt is prefilled in chunks
+            # ("CPU Generator does not use offset", seen at 8K-token prompts): on CPU every prompt
+            # is prefilled whole
             kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(max_model_len, 4096 * tensor_parallel_size)  # vLLM's CPU default
+            kwargs["max_num_batched_tokens"] = max(
+                max_model_len, 4096 * tensor_parallel_size
+            )  # vLLM's CPU default
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = self.can_sleep
@@ -132,36 +177,68 @@ class VLLMEngine:
         finally:
             torch.set_num_threads = set_threads
         self.device_bytes = torch.cuda.memory_allocated() - before if not on_cpu else 0
-        # Every refit of a tied model logs "ParallelLMHead: Failed to load weights" (the case _retie_lm_head
-        # repairs) and "RotaryEmbedding: ..." (no weights to load); the logprob tests guard the real outcome.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        # Every refit of a tied model logs "ParallelLMHead: Failed to load weights" (the case
+        # _retie_lm_head repairs) and "RotaryEmbedding: ..." (no weights to load); the logprob tests
+        # guard the real outcome.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
+            logging.ERROR
+        )
         set_threads(threads)
         if torch.get_num_threads() != threads:
-            raise RuntimeError(f"vLLM start-up changed torch threads {threads} -> {torch.get_num_threads()}")
+            raise RuntimeError(
+                f"vLLM start-up changed torch threads {threads} -> {torch.get_num_threads()}"
+            )
 
-    def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False,
-                 min_tokens=0, first_index=0) -> list[Sample]:
+    def generate(
+        self,
+        prompts,
+        n,
+        max_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        seed=None,
+        progress=False,
+        min_tokens=0,
+        first_index=0,
+    ) -> list[Sample]:
         """max_tokens: one limit for every prompt, or a list with one per prompt.
 
-        seed: reproducible samples, each from a random stream of its own. Each prompt's streams are derived from
-        `seed` and its index in the whole list, first_index + i (first_index: the index of prompts[0] in a larger
-        list split over engines: ranks in training and evaluation), so its samples do not depend on how the list
-        was split, and two ranks never draw the same noise. vLLM gives child j of a request seeded s the seed
-        s + j, so prompt seeds are n apart: no two samples share a stream. On GPU (vLLM's model runner V2)
-        seeded requests cost nothing extra: its sampler's noise is a hash of (seed, position), for all rows at
-        once. Seeds are taken modulo 2^31 and shifted past the indices, so that two seeds never overlap.
+        seed: reproducible samples, each from a random stream of its own. Each prompt's streams are
+        derived from `seed` and its index in the whole list, first_index + i (first_index: the index
+        of prompts[0] in a larger list split over engines: ranks in training and evaluation), so its
+        samples do not depend on how the list was split, and two ranks never draw the same noise.
+        vLLM gives child j of a request seeded s the seed s + j, so prompt seeds are n apart: no two
+        samples share a stream. On GPU (vLLM's model runner V2) seeded requests cost nothing extra:
+        its sampler's noise is a hash of (seed, position), for all rows at once. Seeds are taken
+        modulo 2^31 and shifted past the indices, so that two seeds never overlap.
         """
-        from vllm import SamplingParams, TokensPrompt  # here, not at the top: HFEngine needs no vLLM installed
+        from vllm import (
+            SamplingParams,
+            TokensPrompt,
+        )  # here, not at the top: HFEngine needs no vLLM installed
 
-        if self.asleep:  # waking here would sample from the weights it slept with, not the trainer's newest
+        if (
+            self.asleep
+        ):  # waking here would sample from the weights it slept with, not the trainer's newest
             raise RuntimeError("the vLLM engine is asleep: load_weights (the refit) wakes it")
         caps = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         base = None if seed is None else (seed % 2**31) << 32
-        sps = [SamplingParams(n=n, max_tokens=cap, temperature=temperature, top_p=top_p, logprobs=0,
-                              min_tokens=min(min_tokens, cap), detokenize=False,  # the caller decodes what it needs
-                              seed=None if base is None else base + (first_index + i) * n)
-               for i, cap in enumerate(caps)]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=progress)
+        sps = [
+            SamplingParams(
+                n=n,
+                max_tokens=cap,
+                temperature=temperature,
+                top_p=top_p,
+                logprobs=0,
+                min_tokens=min(min_tokens, cap),
+                detokenize=False,  # the caller decodes what it needs
+                seed=None if base is None else base + (first_index + i) * n,
+            )
+            for i, cap in enumerate(caps)
+        ]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=progress
+        )
         samples = []
         for i, out in enumerate(outs):
             for c in out.outputs:
@@ -172,10 +249,14 @@ class VLLMEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.asleep:
-            self.llm.wake_up(tags=["weights"])  # memory for the weights first; the refit writes every one of them
+            self.llm.wake_up(
+                tags=["weights"]
+            )  # memory for the weights first; the refit writes every one of them
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.collective_rpc(_retie_lm_head)
-        if self.asleep:  # vLLM's wake_up empties torch's cache first: the trainer's freed blocks make its room
+        if (
+            self.asleep
+        ):  # vLLM's wake_up empties torch's cache first: the trainer's freed blocks make its room
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
@@ -186,16 +267,18 @@ class VLLMEngine:
             self.asleep = True
 
     def close(self) -> None:
-        """Shut the engine down now (its groups, its memory), not at interpreter exit: distributed.close says why."""
+        """Shut the engine down now (its groups, its memory), not at interpreter exit:
+        distributed.close says why."""
         self.llm.llm_engine.engine_core.shutdown()
 
 
 def _retie_lm_head(worker) -> None:
-    """Runs inside vLLM's worker after reload_weights. vLLM's layer-wise reload gives embed_tokens a new tensor
-    and, finding no "lm_head.weight" in a tied checkpoint, puts the *old* tensor back into lm_head; on CPU the
-    lm_head also keeps a GEMM kernel prepacked from the old weight. The engine would sample from a stale output
-    layer (vllm-cpu 0.32, seen here). Tie them again and redo the lm_head's post-load processing (the prepack).
-    On GPU (vLLM 0.33's reload copies into the tensor both share) the tie holds already and this changes nothing."""
+    """Runs inside vLLM's worker after reload_weights. vLLM's layer-wise reload gives embed_tokens a
+    new tensor and, finding no "lm_head.weight" in a tied checkpoint, puts the *old* tensor back
+    into lm_head; on CPU the lm_head also keeps a GEMM kernel prepacked from the old weight. The
+    engine would sample from a stale output layer (vllm-cpu 0.32, seen here). Tie them again and
+    redo the lm_head's post-load processing (the prepack). On GPU (vLLM 0.33's reload copies into
+    the tensor both share) the tie holds already and this changes nothing."""
     m = worker.model_runner.get_model()
     if getattr(m.config, "tie_word_embeddings", False) and hasattr(m, "lm_head"):
         m.lm_head.weight = m.model.embed_tokens.weight
@@ -203,13 +286,14 @@ def _retie_lm_head(worker) -> None:
 
 
 class _SampledLogprobs(LogitsProcessor):
-    """Records log pi(token) of every sampled token as generate runs, in [N, V] memory instead of the [N, t, V] that
-    generate's output_logits would hold (151k-token vocabularies x thousands of steps do not fit anywhere).
+    """Records log pi(token) of every sampled token as generate runs, in [N, V] memory instead of
+    the [N, t, V] that generate's output_logits would hold (151k-token vocabularies x thousands of
+    steps do not fit anywhere).
 
-    generate samples after its processors, so step k's token is known only when step k+1 calls in (as
-    input_ids[:, -1]); finish() reads the last one. The distribution is the one generate samples from, at the
-    sampling temperature: after its processors (min_new_tokens' EOS mask), before top-p, like vLLM's
-    processed_logprobs. Returns the scores unchanged."""
+    generate samples after its processors, so step k's token is known only when step k+1 calls in
+    (as input_ids[:, -1]); finish() reads the last one. The distribution is the one generate samples
+    from, at the sampling temperature: after its processors (min_new_tokens' EOS mask), before
+    top-p, like vLLM's processed_logprobs. Returns the scores unchanged."""
 
     def __init__(self, temperature: float):
         self.temperature, self.prev, self.logps = temperature, None, []
@@ -220,7 +304,9 @@ class _SampledLogprobs(LogitsProcessor):
         self.prev = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # [N, V]
         return scores
 
-    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:  # new_tokens [N, t] -> logprobs [N, t]
+    def finish(
+        self, new_tokens: torch.Tensor
+    ) -> torch.Tensor:  # new_tokens [N, t] -> logprobs [N, t]
         if new_tokens.shape[1]:
             self.logps.append(self.prev.gather(-1, new_tokens[:, -1:]))
         assert len(self.logps) == new_tokens.shape[1], (len(self.logps), new_tokens.shape)
@@ -228,31 +314,50 @@ class _SampledLogprobs(LogitsProcessor):
 
 
 class HFEngine:
-    """transformers' generate on a private copy of the model (so sampling never touches the trainer's graph)."""
+    """transformers' generate on a private copy of the model (so sampling never touches the
+    trainer's graph)."""
 
-    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-                 batch_size: int = 256, device: str | torch.device = "cpu"):
-        self.model = model.load_model(model_path, dtype=dtype, trust_remote_code=trust_remote_code).to(device).eval()
+    def __init__(
+        self,
+        model_path: str,
+        dtype: torch.dtype = torch.float32,
+        trust_remote_code: bool = False,
+        batch_size: int = 256,
+        device: str | torch.device = "cpu",
+    ):
+        self.model = (
+            model.load_model(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+            .to(device)
+            .eval()
+        )
         tok = model.load_tokenizer(model_path, trust_remote_code=trust_remote_code)
         self.eos, self.pad = tok.eos_token_id, tok.pad_token_id
         self.batch_size = batch_size
         on_gpu = self.model.device.type == "cuda"
-        self.device_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) if on_gpu else 0
+        self.device_bytes = (
+            sum(p.numel() * p.element_size() for p in self.model.parameters()) if on_gpu else 0
+        )
         self.fast_cpu_decode = self.model.device.type == "cpu" and self._fast_cpu_decode_pays()
 
     def _fast_cpu_decode_pays(self) -> bool:
-        """Whether this CPU generates faster from this model with matmul attention and a KV cache preallocated for
-        prompt + max_tokens (no re-concatenation of the whole cache at every token) than with transformers'
-        defaults (SDPA, a growing cache).
+        """Whether this CPU generates faster from this model with matmul attention and a KV cache
+        preallocated for prompt + max_tokens (no re-concatenation of the whole cache at every token)
+        than with transformers' defaults (SDPA, a growing cache).
 
-        Both help on some CPUs and not on others (docs/speed.md), so each machine measures it once per model
-        shape and dtype (32 rows x 32 tokens, each way once to warm up, then five pairs taken in turn: a second or
-        two on a small model) and keeps the answer in the model cache, which every later engine on the machine
-        reads: runs stay reproducible. The faster path must win the median pair by 3%, or the defaults stay.
+        Both help on some CPUs and not on others (docs/speed.md), so each machine measures it once
+        per model shape and dtype (32 rows x 32 tokens, each way once to warm up, then five pairs
+        taken in turn: a second or two on a small model) and keeps the answer in the model cache,
+        which every later engine on the machine reads: runs stay reproducible. The faster path must
+        win the median pair by 3%, or the defaults stay.
         """
-        cpu = sorted({ln for ln in open("/proc/cpuinfo") if ln.startswith(("model name", "flags"))}) \
-            if os.path.exists("/proc/cpuinfo") else []  # the CPU's model and its instruction-set extensions
-        shape = {k: v for k, v in self.model.config.to_dict().items() if not k.startswith("_")}  # not its path
+        cpu = (
+            sorted({ln for ln in open("/proc/cpuinfo") if ln.startswith(("model name", "flags"))})
+            if os.path.exists("/proc/cpuinfo")
+            else []
+        )  # the CPU's model and its instruction-set extensions
+        shape = {
+            k: v for k, v in self.model.config.to_dict().items() if not k.startswith("_")
+        }  # not its path
         what = [cpu, os.cpu_count(), torch.__version__, shape, str(self.model.dtype)]
         key = hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
         path = model.DEFAULT_CACHE / "cpu-decode" / f"{key[:16]}.json"
@@ -271,8 +376,12 @@ class HFEngine:
         ratio = sorted(a / b for a, b in pairs)[2]  # the median pair
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"fast": ratio < 0.97, "fast_over_default": ratio, "seconds": pairs}))
-        try:  # the first answer written stays: processes that measured at the same time (ranks) all take it
+        tmp.write_text(
+            json.dumps({"fast": ratio < 0.97, "fast_over_default": ratio, "seconds": pairs})
+        )
+        # the first answer written stays: processes that measured at the same time (ranks) all take
+        # it
+        try:
             os.link(tmp, path)
         except FileExistsError:
             pass
@@ -281,25 +390,46 @@ class HFEngine:
         return json.loads(path.read_text())["fast"]
 
     @torch.no_grad()
-    def generate(self, prompts, n, max_tokens, temperature=1.0, top_p=1.0, seed=None, progress=False,
-                 min_tokens=0, first_index=0) -> list[Sample]:
-        """Every sample comes from one torch stream seeded with `seed` (mixed with first_index past the first
-        share, so engines that split a list draw different noise); a split of the list over engines still changes
-        the draws, unlike vLLM's.
-        Per-prompt limits: a batch generates up to its largest, and each response is cut at its own (generation
-        is causal: the tokens up to a limit are those a run stopped there would have drawn)."""
+    def generate(
+        self,
+        prompts,
+        n,
+        max_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        seed=None,
+        progress=False,
+        min_tokens=0,
+        first_index=0,
+    ) -> list[Sample]:
+        """Every sample comes from one torch stream seeded with `seed` (mixed with first_index past
+        the first share, so engines that split a list draw different noise); a split of the list
+        over engines still changes the draws, unlike vLLM's.
+        Per-prompt limits: a batch generates up to its largest, and each response is cut at its own
+        (generation is causal: the tokens up to a limit are those a run stopped there would have
+        drawn)."""
         if seed is not None:
             torch.manual_seed(hash((seed, first_index)) if first_index else seed)
         caps = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         flat = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
         samples = []
-        for s in tqdm(range(0, len(flat), self.batch_size), desc="generate", disable=not progress, leave=False):
+        for s in tqdm(
+            range(0, len(flat), self.batch_size), desc="generate", disable=not progress, leave=False
+        ):
             batch = flat[s : s + self.batch_size]
-            samples += self._generate_batch(batch, [caps[i] for i, _ in batch], temperature, top_p, min_tokens,
-                                            self.fast_cpu_decode)
+            samples += self._generate_batch(
+                batch,
+                [caps[i] for i, _ in batch],
+                temperature,
+                top_p,
+                min_tokens,
+                self.fast_cpu_decode,
+            )
         return samples
 
-    def _generate_batch(self, flat, caps, temperature, top_p, min_tokens=0, fast=False) -> list[Sample]:
+    def _generate_batch(
+        self, flat, caps, temperature, top_p, min_tokens=0, fast=False
+    ) -> list[Sample]:
         caps = caps if isinstance(caps, list) else [caps] * len(flat)
         width = max(len(p) for _, p in flat)
         ids = torch.full((len(flat), width), self.pad, dtype=torch.long)  # left-padded for generate
@@ -308,20 +438,29 @@ class HFEngine:
             ids[r, width - len(p) :] = torch.tensor(p)
             am[r, width - len(p) :] = 1
         if getattr(self.model, "set_attn_implementation", None):
-            # plain attention holds [rows, heads, width, width] scores during the prompt's forward: only while
-            # those stay small (<= 256 MiB a layer)
+            # plain attention holds [rows, heads, width, width] scores during the prompt's forward:
+            # only while those stay small (<= 256 MiB a layer)
             heads = self.model.config.num_attention_heads
             small = len(flat) * heads * width * width * 4 <= 2**28
             self.model.set_attn_implementation("eager" if fast and small else "sdpa")
         greedy = temperature == 0
         rec = _SampledLogprobs(temperature or 1.0)
         out = self.model.generate(
-            input_ids=ids.to(self.model.device), attention_mask=am.to(self.model.device), max_new_tokens=max(caps),
-            min_new_tokens=min(min_tokens, max(caps)) or None,  # a row whose cap is below it is cut at its cap
-            do_sample=not greedy, temperature=None if greedy else temperature,
-            top_p=None if greedy else top_p, top_k=None, eos_token_id=self.eos, pad_token_id=self.pad,
-            logits_processor=LogitsProcessorList([rec]), return_dict_in_generate=True,
-            # never on GPU: there transformers would torch.compile the model for a static cache, per batch shape
+            input_ids=ids.to(self.model.device),
+            attention_mask=am.to(self.model.device),
+            max_new_tokens=max(caps),
+            min_new_tokens=min(min_tokens, max(caps))
+            or None,  # a row whose cap is below it is cut at its cap
+            do_sample=not greedy,
+            temperature=None if greedy else temperature,
+            top_p=None if greedy else top_p,
+            top_k=None,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+            logits_processor=LogitsProcessorList([rec]),
+            return_dict_in_generate=True,
+            # never on GPU: there transformers would torch.compile the model for a static cache, per
+            # batch shape
             cache_implementation="static" if fast else None,
         )
         new = out.sequences[:, width:]  # [N, t]
@@ -331,7 +470,9 @@ class HFEngine:
         for r, (i, _) in enumerate(flat):
             toks = new[r, : caps[r]].tolist()
             k = toks.index(self.eos) + 1 if self.eos in toks else len(toks)
-            samples.append(Sample(i, toks[:k], logp[r, :k].tolist(), truncated=self.eos not in toks[:k]))
+            samples.append(
+                Sample(i, toks[:k], logp[r, :k].tolist(), truncated=self.eos not in toks[:k])
+            )
         return samples
 
     def sleep(self) -> None:
@@ -344,4 +485,6 @@ class HFEngine:
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, t in weights:
-                params[name].copy_(t)  # a tied lm_head shares storage with the embedding: one copy serves both
+                params[name].copy_(
+                    t
+                )  # a tied lm_head shares storage with the embedding: one copy serves both

@@ -1,21 +1,24 @@
-"""What every training run has around its loop, GRPO's (train.py) and DPO's (dpo.py) alike: its flags, its process,
-its optimizer, and the loop's bookkeeping.
+"""What every training run has around its loop, GRPO's (train.py) and DPO's (dpo.py) alike: its
+flags, its process, its optimizer, and the loop's bookkeeping.
 
 What it does:
-- RunConfig: the flags both entry points share (model, data, compute, optimizer, evaluation, checkpoints, logging),
-  defined once: train.Config and dpo.DPOConfig each hold one as `run`, and the command line keeps them flat (--lr,
-  --steps). run_checks: their one-line checks. config(): a config from flat values, as the command line spells them.
+- RunConfig: the flags both entry points share (model, data, compute, optimizer, evaluation,
+  checkpoints, logging), defined once: train.Config and dpo.DPOConfig each hold one as `run`, and
+  the command line keeps them flat (--lr, --steps). run_checks: their one-line checks. config(): a
+  config from flat values, as the command line spells them.
 - setup_process: this rank's threads, seed, device and compute dtype (bf16_compute, autocast).
-- optimizer: AdamW and the LR schedule both loops use (warmup_factor: NeMo-RL's LinearLR, 0.1 x lr -> lr);
-  optimizer_step: clip, then step unless the gradient is not finite; accumulate: metric sums over micro-batches.
-- Run: the loop's bookkeeping. The run folder and its metrics.jsonl, resume or step 0's evaluation, the progress
-  bar, the held-out evaluation every --eval-every steps, each step's row, --max-skipped-steps, checkpoints,
-  Ctrl-C (CtrlC: the first stops the loop after its step, with a checkpoint; a second aborts), the final weights
-  and the summary.
-- timed, reset_peak_memory, peak_memory_gib: a phase's seconds and the trainer's peak memory, for the metrics.
+- optimizer: AdamW and the LR schedule both loops use (warmup_factor: NeMo-RL's LinearLR, 0.1 x lr
+  -> lr); optimizer_step: clip, then step unless the gradient is not finite; accumulate: metric sums
+  over micro-batches.
+- Run: the loop's bookkeeping. The run folder and its metrics.jsonl, resume or step 0's evaluation,
+  the progress bar, the held-out evaluation every --eval-every steps, each step's row,
+  --max-skipped-steps, checkpoints, Ctrl-C (CtrlC: the first stops the loop after its step, with a
+  checkpoint; a second aborts), the final weights and the summary.
+- timed, reset_peak_memory, peak_memory_gib: a phase's seconds and the trainer's peak memory, for
+  the metrics.
 
-What it does not do: anything of an algorithm (each loop's body is train.py's or dpo.py's), the checkpoint format
-(checkpoint.py), or the metrics file (logs.py).
+What it does not do: anything of an algorithm (each loop's body is train.py's or dpo.py's), the
+checkpoint format (checkpoint.py), or the metrics file (logs.py).
 """
 
 import importlib.util
@@ -43,28 +46,36 @@ from checks import UserError, writable
 
 @dataclass
 class RunConfig:
-    """The flags every training run has; dpo.DPOConfig changes three defaults (lr, weight_decay, dist_timeout_s)."""
+    """The flags every training run has; dpo.DPOConfig changes three defaults (lr, weight_decay,
+    dist_timeout_s)."""
 
     # model and data
 
-    # HF folder or hub name, or a built-in base built once: tiny (the demos), tiny-math (the math recipe in
-    # miniature), r1-shape (tools/bench.py shape)
+    # HF folder or hub name, or a built-in base built once: tiny (the demos), tiny-math (the math
+    # recipe in miniature), r1-shape (tools/bench.py shape)
     model: str = "tiny"
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
-    # training data (.jsonl, .json, .parquet, or an HF dataset name[:split]): math problems (GRPO, --task math) or
-    # preference pairs (DPO; "" = the synthetic sum3 set)
+    # training data (.jsonl, .json, .parquet, or an HF dataset name[:split]): math problems (GRPO,
+    # --task math) or preference pairs (DPO; "" = the synthetic sum3 set)
     data: str = ""
     val_data: str = ""  # held-out data of the same kind; default: --val-fraction of --data
     val_fraction: float = 0.0  # fraction of --data held out when --val-data is not given
-    # compute dtype (weights and optimizer stay float32; GRPO's engine runs in it too); auto: bfloat16 on GPU,
-    # float32 on CPU, where bfloat16 pays only on CPUs with bf16 instructions (avx512_bf16, AMX): docs/engines.md
+    # compute dtype (weights and optimizer stay float32; GRPO's engine runs in it too); auto:
+    # bfloat16 on GPU, float32 on CPU, where bfloat16 pays only on CPUs with bf16 instructions
+    # (avx512_bf16, AMX): docs/engines.md
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (long sequences)
-    micro_batch_tokens: int = 8192  # token budget of one forward/backward (padded tokens); bounds activation memory
-    logprob_chunk_tokens: int = 1024  # positions per LM-head chunk when computing logprobs (memory bound)
+    activation_checkpointing: bool = (
+        False  # recompute each decoder layer's activations in backward (long sequences)
+    )
+    micro_batch_tokens: int = (
+        8192  # token budget of one forward/backward (padded tokens); bounds activation memory
+    )
+    logprob_chunk_tokens: int = (
+        1024  # positions per LM-head chunk when computing logprobs (memory bound)
+    )
     threads: int = 0  # torch CPU threads; 0 = this node's cores shared among its ranks
-    # a collective waiting longer than this fails the run instead of hanging (GRPO: it must outlast the slowest
-    # rank's rollout, which the others wait for in the next collective)
+    # a collective waiting longer than this fails the run instead of hanging (GRPO: it must outlast
+    # the slowest rank's rollout, which the others wait for in the next collective)
     dist_timeout_s: int = 1800
     # optimizer
     steps: int = 200  # training steps: GRPO steps (one rollout batch each), DPO optimizer steps
@@ -73,17 +84,22 @@ class RunConfig:
     # linear LR warm-up from 0.1 x lr to lr over this many steps, then constant (NeMo-RL's LinearLR)
     warmup_steps: int = 0
     grad_clip: float = 1.0  # max global gradient norm
-    max_skipped_steps: int = 3  # stop after this many consecutive steps skipped for a non-finite loss or gradient
+    max_skipped_steps: int = (
+        3  # stop after this many consecutive steps skipped for a non-finite loss or gradient
+    )
     # evaluation, checkpoints, logging
     eval_every: int = 25  # held-out evaluation every N steps (and at start and end); 0 = never
-    eval_samples: int = 4  # samples per held-out prompt for pass@1 (GRPO: at --temperature; DPO's sum3 demo: at 1)
+    eval_samples: int = (
+        4  # samples per held-out prompt for pass@1 (GRPO: at --temperature; DPO's sum3 demo: at 1)
+    )
     out_dir: str = ""  # run folder; default runs/<date-time> (DPO: runs/dpo-<date-time>)
     seed: int = 0  # seeds the data order, sampling and torch (DPO: the synthetic set too)
     save_final: bool = True  # write the final weights as an HF checkpoint to <out_dir>/final
     # sharded checkpoint (model, optimizer, RNG, data order) every N steps and at the end; 0 = never
     checkpoint_every: int = 50
     keep_checkpoints: int = 2  # how many of the newest checkpoints to keep
-    resume: bool = True  # continue from the newest complete checkpoint in <out_dir>/checkpoints when there is one
+    # continue from the newest complete checkpoint in <out_dir>/checkpoints when there is one
+    resume: bool = True
     plot: bool = True  # draw <out_dir>/curves.png at the end
     tensorboard: bool = False  # also log to <out_dir>/tensorboard (needs the tensorboard package)
     wandb_project: str = ""  # also log to this Weights & Biases project (needs the wandb package)
@@ -99,29 +115,42 @@ def run_checks(run: RunConfig) -> list[tuple[bool, str]]:
         *model.model_checks("--model", run.model),
         (0.0 <= run.val_fraction < 1.0, f"--val-fraction {run.val_fraction}: must be in [0, 1)"),
         (run.dist_timeout_s > 0, f"--dist-timeout-s {run.dist_timeout_s}: must be positive"),
-        (writable(Path(run.out_dir or "runs")), f"--out-dir {run.out_dir or 'runs'}: cannot be written"),
-        (run.max_skipped_steps >= 1, f"--max-skipped-steps {run.max_skipped_steps}: must be at least 1"),
-        (not run.tensorboard or importlib.util.find_spec("tensorboard") is not None,
-         "--tensorboard: needs the tensorboard package (pip install tensorboard)"),
-        (not run.wandb_project or importlib.util.find_spec("wandb") is not None,
-         f"--wandb-project {run.wandb_project}: needs the wandb package (pip install wandb)"),
+        (
+            writable(Path(run.out_dir or "runs")),
+            f"--out-dir {run.out_dir or 'runs'}: cannot be written",
+        ),
+        (
+            run.max_skipped_steps >= 1,
+            f"--max-skipped-steps {run.max_skipped_steps}: must be at least 1",
+        ),
+        (
+            not run.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+            "--tensorboard: needs the tensorboard package (pip install tensorboard)",
+        ),
+        (
+            not run.wandb_project or importlib.util.find_spec("wandb") is not None,
+            f"--wandb-project {run.wandb_project}: needs the wandb package (pip install wandb)",
+        ),
     ]
 
 
 def config(cls, **values):
-    """A `cls` (train.Config, dpo.DPOConfig) from values named as flat as the command line names them
-    (`steps=3, kl_beta=0.1`): each goes to the field of that name, in cls itself or in a dataclass it holds (run,
-    loss), whose other fields keep cls's defaults. For the stage presets (train.STAGES), tools/bench.py and the tests."""
+    """A `cls` (train.Config, dpo.DPOConfig) from values named as flat as the command line names
+    them (`steps=3, kl_beta=0.1`): each goes to the field of that name, in cls itself or in a
+    dataclass it holds (run, loss), whose other fields keep cls's defaults. For the stage presets
+    (train.STAGES), tools/bench.py and the tests."""
     nested = {}
     for f in fields(cls):
         default = f.default_factory() if f.default_factory is not MISSING else None
         if is_dataclass(default):
             own = {g.name for g in fields(default)}
-            nested[f.name] = replace(default, **{k: values.pop(k) for k in list(values) if k in own})
+            nested[f.name] = replace(
+                default, **{k: values.pop(k) for k in list(values) if k in own}
+            )
     return cls(**values, **nested)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # The process, the optimizer
 
 
@@ -131,46 +160,59 @@ def bf16_compute(run: RunConfig, device) -> bool:
 
 
 def autocast(run: RunConfig, device):
-    """The one precision policy, at any world size: float32 weights (sharded or not), matmuls in bf16 where
-    bf16_compute, while norms, softmax, the residual stream and the LM head (model.py) stay float32."""
-    # no weight cache: under FSDP it would keep a bf16 copy of every layer's gathered weights until the forward ends
-    return torch.autocast(device.type, torch.bfloat16, enabled=bf16_compute(run, device), cache_enabled=False)
+    """The one precision policy, at any world size: float32 weights (sharded or not), matmuls in
+    bf16 where bf16_compute, while norms, softmax, the residual stream and the LM head (model.py)
+    stay float32."""
+    # no weight cache: under FSDP it would keep a bf16 copy of every layer's gathered weights until
+    # the forward ends
+    return torch.autocast(
+        device.type, torch.bfloat16, enabled=bf16_compute(run, device), cache_enabled=False
+    )
 
 
 def setup_process(run: RunConfig) -> tuple[torch.device, bool]:
-    """(device, bf16) of this rank, after setting its torch threads and seed; on CPU, glibc keeps freed memory for
-    the next step (no page faults on every step's activations: distributed.reuse_freed_memory)."""
-    # torchrun starts one process per GPU (or per share of a CPU): they divide the node's cores among them
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """(device, bf16) of this rank, after setting its torch threads and seed; on CPU, glibc keeps
+    freed memory for the next step (no page faults on every step's activations:
+    distributed.reuse_freed_memory)."""
+    # torchrun starts one process per GPU (or per share of a CPU): they divide the node's cores
+    # among them
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     torch.set_num_threads(run.threads or max(1, cores // distributed.local_world_size()))
     torch.manual_seed(run.seed)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     if device.type == "cpu":
         distributed.reuse_freed_memory()
     return device, bf16_compute(run, device)
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
-    """LR factor after `step` steps: NeMo-RL's LinearLR(start_factor=0.1, end_factor=1.0, total_iters=warmup_steps),
-    then constant."""
+    """LR factor after `step` steps: NeMo-RL's LinearLR(start_factor=0.1, end_factor=1.0,
+    total_iters=warmup_steps), then constant."""
     if warmup_steps <= 0:
         return 1.0
     return 0.1 + 0.9 * min(step, warmup_steps) / warmup_steps
 
 
 def optimizer(policy, run: RunConfig):
-    """(AdamW over the policy's trainable parameters, its LR schedule): warmup_factor, stepped once per training
-    step whose update ran (a step skipped for a non-finite gradient does not count), as NeMo-RL steps it once per
-    GRPO step."""
+    """(AdamW over the policy's trainable parameters, its LR schedule): warmup_factor, stepped once
+    per training step whose update ran (a step skipped for a non-finite gradient does not count), as
+    NeMo-RL steps it once per GRPO step."""
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     opt = torch.optim.AdamW(trainable, lr=run.lr, weight_decay=run.weight_decay)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_factor(s, run.warmup_steps))
 
 
 def optimizer_step(policy, opt, max_norm: float) -> tuple[float, bool]:
-    """Clip the gradient by its global norm, then AdamW's step, unless the norm is not finite (a NaN or inf in the
-    loss or the gradient): then the weights and the optimizer's state stay as they were, on every rank alike (the
-    norm is over all ranks). Returns (the norm before clipping, whether the step was skipped)."""
+    """Clip the gradient by its global norm, then AdamW's step, unless the norm is not finite (a NaN
+    or inf in the loss or the gradient): then the weights and the optimizer's state stay as they
+    were, on every rank alike (the norm is over all ranks). Returns (the norm before clipping,
+    whether the step was skipped)."""
     grad_norm = distributed.clip_grad_norm(policy, max_norm)
     skipped = not bool(torch.isfinite(grad_norm))
     if not skipped:
@@ -180,10 +222,15 @@ def optimizer_step(policy, opt, max_norm: float) -> tuple[float, bool]:
 
 
 def accumulate(total, part, weight: float | torch.Tensor = 1.0) -> None:
-    """total += part, field by field, for dataclasses of metric sums (grpo.LossMetrics, dpo.PairMetrics): each
-    field of `part` (a number, or a tensor of any shape) times `weight`, summed, added to total's float."""
+    """total += part, field by field, for dataclasses of metric sums (grpo.LossMetrics,
+    dpo.PairMetrics): each field of `part` (a number, or a tensor of any shape) times `weight`,
+    summed, added to total's float."""
     for f in fields(total):
-        setattr(total, f.name, getattr(total, f.name) + float((torch.as_tensor(getattr(part, f.name)) * weight).sum()))
+        setattr(
+            total,
+            f.name,
+            getattr(total, f.name) + float((torch.as_tensor(getattr(part, f.name)) * weight).sum()),
+        )
 
 
 @contextmanager
@@ -195,17 +242,18 @@ def timed(times: dict, name: str):
 
 
 def reset_peak_memory(device) -> None:
-    """On GPU, start a new peak for peak_memory_gib (each step's own). On CPU the peak stays the process's, which
-    is what decides whether a run fits in the machine's memory."""
+    """On GPU, start a new peak for peak_memory_gib (each step's own). On CPU the peak stays the
+    process's, which is what decides whether a run fits in the machine's memory."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory_gib(device, engine_bytes: int = 0) -> float:
-    """The largest over all ranks (a collective) of: on GPU, the memory torch allocated since reset_peak_memory,
-    less `engine_bytes`, what a colocated engine holds in torch's allocator (vLLM's weights and KV cache stay
-    allocated tensors while it sleeps, their memory unmapped), so that it is the trainer's; on CPU, the process's
-    peak resident set, the engine's memory included."""
+    """The largest over all ranks (a collective) of: on GPU, the memory torch allocated since
+    reset_peak_memory, less `engine_bytes`, what a colocated engine holds in torch's allocator
+    (vLLM's weights and KV cache stay allocated tensors while it sleeps, their memory unmapped), so
+    that it is the trainer's; on CPU, the process's peak resident set, the engine's memory
+    included."""
     if device.type == "cuda":
         gib = (torch.cuda.max_memory_allocated(device) - engine_bytes) / 2**30
     else:
@@ -213,12 +261,13 @@ def peak_memory_gib(device, engine_bytes: int = 0) -> float:
     return distributed.all_reduce_max(torch.tensor([gib])).item()
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # The loop's bookkeeping
 
 
 class CtrlC:
-    """The first Ctrl-C (SIGINT) asks the loop to stop after the current step and checkpoint; a second one aborts."""
+    """The first Ctrl-C (SIGINT) asks the loop to stop after the current step and checkpoint; a
+    second one aborts."""
 
     def __init__(self, install: bool):
         self._set = False
@@ -229,8 +278,11 @@ class CtrlC:
         if self._set:
             raise KeyboardInterrupt
         self._set = True
-        print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again to abort now)", file=sys.stderr,
-              flush=True)
+        print(
+            "\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again to abort now)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def is_set(self) -> bool:
         return self._set
@@ -245,33 +297,58 @@ class Run:
             run.end_step(step, row)                                # evaluate, log, checkpoint, Ctrl-C
         return run.finish(tok)                                     # final weights, summary
 
-    `evaluate(step)` returns the held-out figures (keys heldout_*); `stream` is the data order a checkpoint keeps;
-    `show` names the progress bar's figures ({label: metric}); `sigint`: whether this run owns Ctrl-C (a
-    command-line run does; a caller's process, such as the tests', keeps its own).
+    `evaluate(step)` returns the held-out figures (keys heldout_*); `stream` is the data order a
+    checkpoint keeps; `show` names the progress bar's figures ({label: metric}); `sigint`: whether
+    this run owns Ctrl-C (a command-line run does; a caller's process, such as the tests', keeps its
+    own).
     """
 
-    def __init__(self, cfg, policy, opt, sched, stream, evaluate, label: str, show: dict[str, str],
-                 folder_prefix: str = "", sigint: bool = False):
+    def __init__(
+        self,
+        cfg,
+        policy,
+        opt,
+        sched,
+        stream,
+        evaluate,
+        label: str,
+        show: dict[str, str],
+        folder_prefix: str = "",
+        sigint: bool = False,
+    ):
         self.cfg, self.run, self.label, self.show = cfg, cfg.run, label, show
-        self.policy, self.opt, self.sched, self.stream, self.evaluate = policy, opt, sched, stream, evaluate
+        self.policy, self.opt, self.sched, self.stream, self.evaluate = (
+            policy,
+            opt,
+            sched,
+            stream,
+            evaluate,
+        )
         self.out = Path(self.run.out_dir or f"runs/{folder_prefix}{time.strftime('%Y%m%d-%H%M%S')}")
         self.log = None
         if distributed.is_main():
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-            self.log = logs.RunLog(self.out, self.run.tensorboard, self.run.wandb_project, asdict(cfg))
+            self.log = logs.RunLog(
+                self.out, self.run.tensorboard, self.run.wandb_project, asdict(cfg)
+            )
         self.start, self.history = self._resume_or_start()
-        self.last_eval = next((r for r in reversed(self.history) if any(k.startswith("heldout") for k in r)), {})
+        self.last_eval = next(
+            (r for r in reversed(self.history) if any(k.startswith("heldout") for k in r)), {}
+        )
         self.ctrl_c, self.stopped, self.bad_steps = CtrlC(install=sigint), False, 0
         self.t_start = self.t_step = time.time()
 
     def _resume_or_start(self) -> tuple[int, list[dict]]:
-        """(the step to continue after, the metrics rows so far). With --resume (default) and a readable checkpoint
-        in <out>/checkpoints, everything continues from it and metrics.jsonl is cut back to its step. Otherwise the
-        run starts at step 0, whose row holds the start weights' held-out figures (none when --eval-every is 0)."""
+        """(the step to continue after, the metrics rows so far). With --resume (default) and a
+        readable checkpoint in <out>/checkpoints, everything continues from it and metrics.jsonl is
+        cut back to its step. Otherwise the run starts at step 0, whose row holds the start weights'
+        held-out figures (none when --eval-every is 0)."""
         resumed = None
         if self.run.resume:
-            resumed = checkpoint.resume(self.out / "checkpoints", self.policy, self.opt, self.sched, self.stream)
+            resumed = checkpoint.resume(
+                self.out / "checkpoints", self.policy, self.opt, self.sched, self.stream
+            )
         if resumed is not None:
             ckpt, start = resumed
             distributed.print0(f"resumed from {ckpt} at step {start}")
@@ -283,9 +360,14 @@ class Run:
         return 0, history
 
     def steps(self):
-        """The steps still to run, start + 1 .. --steps, under a progress bar on rank 0; none more after a Ctrl-C."""
-        self.bar = tqdm(range(self.start + 1, self.run.steps + 1), disable=self.run.quiet or not distributed.is_main(),
-                        desc=self.label, dynamic_ncols=True)
+        """The steps still to run, start + 1 .. --steps, under a progress bar on rank 0; none more
+        after a Ctrl-C."""
+        self.bar = tqdm(
+            range(self.start + 1, self.run.steps + 1),
+            disable=self.run.quiet or not distributed.is_main(),
+            desc=self.label,
+            dynamic_ncols=True,
+        )
         self.t_start = time.time()
         for step in self.bar:
             self.t_step = time.time()
@@ -295,16 +377,19 @@ class Run:
         self.bar.close()
 
     def end_step(self, step: int, row: dict) -> None:
-        """A step's end. Its row (with `skipped_updates`) gets the held-out figures every --eval-every steps and at
-        the last, and the seconds of the step and of the run, and is logged; --max-skipped-steps steps in a row
-        with a skipped update stop the run; a checkpoint is saved every --checkpoint-every steps, at the last, and
-        when Ctrl-C was pressed on any rank (then the loop ends here)."""
+        """A step's end. Its row (with `skipped_updates`) gets the held-out figures every
+        --eval-every steps and at the last, and the seconds of the step and of the run, and is
+        logged; --max-skipped-steps steps in a row with a skipped update stop the run; a checkpoint
+        is saved every --checkpoint-every steps, at the last, and when Ctrl-C was pressed on any
+        rank (then the loop ends here)."""
         run = self.run
         self.bad_steps = self.bad_steps + 1 if row["skipped_updates"] else 0
         if self.bad_steps >= run.max_skipped_steps:
-            raise UserError(f"step {step}: non-finite loss or gradient for {self.bad_steps} steps in a row "
-                            f"(--max-skipped-steps {run.max_skipped_steps}); last checkpoint in "
-                            f"{self.out / 'checkpoints'}")
+            raise UserError(
+                f"step {step}: non-finite loss or gradient for {self.bad_steps} steps in a row "
+                f"(--max-skipped-steps {run.max_skipped_steps}); last checkpoint in "
+                f"{self.out / 'checkpoints'}"
+            )
         if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
             self.last_eval = self.evaluate(step)
             row.update(self.last_eval)
@@ -313,19 +398,36 @@ class Run:
         if self.log:
             self.log.write(row)
             shown = {**self.last_eval, **row}
-            self.bar.set_postfix({name: f"{shown.get(key, 0.0):.3f}" for name, key in self.show.items()})
-        self.stopped = distributed.all_reduce_max(torch.tensor([float(self.ctrl_c.is_set())])).item() > 0
-        if self.stopped or (run.checkpoint_every and (step % run.checkpoint_every == 0 or step == run.steps)):
-            saved = checkpoint.save_step(self.out, step, self.policy, self.opt, self.sched, self.stream,
-                                         {"config": asdict(self.cfg)}, run.keep_checkpoints)
+            self.bar.set_postfix(
+                {name: f"{shown.get(key, 0.0):.3f}" for name, key in self.show.items()}
+            )
+        self.stopped = (
+            distributed.all_reduce_max(torch.tensor([float(self.ctrl_c.is_set())])).item() > 0
+        )
+        if self.stopped or (
+            run.checkpoint_every and (step % run.checkpoint_every == 0 or step == run.steps)
+        ):
+            saved = checkpoint.save_step(
+                self.out,
+                step,
+                self.policy,
+                self.opt,
+                self.sched,
+                self.stream,
+                {"config": asdict(self.cfg)},
+                run.keep_checkpoints,
+            )
             if self.stopped:
-                distributed.print0(f"interrupted after step {step}: checkpoint {saved}; the same command resumes "
-                                   "from it")
+                distributed.print0(
+                    f"interrupted after step {step}: checkpoint {saved}; the same command resumes "
+                    "from it"
+                )
 
     def finish(self, tok, engine=None, **summary) -> dict:
-        """The run's end: the log closed and its curves drawn; after a Ctrl-C, KeyboardInterrupt (the entry point
-        exits with status 130); else the final weights (<out_dir>/final, an HF folder) and a one-line JSON summary
-        (with `summary`'s extra figures). `engine`: one the caller owns, closed before the process group."""
+        """The run's end: the log closed and its curves drawn; after a Ctrl-C, KeyboardInterrupt
+        (the entry point exits with status 130); else the final weights (<out_dir>/final, an HF
+        folder) and a one-line JSON summary (with `summary`'s extra figures). `engine`: one the
+        caller owns, closed before the process group."""
         if self.log:
             self.log.close()
             if self.run.plot:
@@ -336,8 +438,21 @@ class Run:
         if self.run.save_final:
             checkpoint.save_hf(self.policy.lm, tok, self.out / "final")
         if distributed.is_main():
-            heldout = lambda row: {k: v for k, v in row.items() if k.startswith("heldout")}  # noqa: E731
-            print(json.dumps(dict(out_dir=str(self.out), minutes=(time.time() - self.t_start) / 60, **summary,
-                                  first=heldout(self.history[0]), last=heldout(self.last_eval))), flush=True)
+
+            def heldout(row):
+                return {k: v for k, v in row.items() if k.startswith("heldout")}
+
+            print(
+                json.dumps(
+                    dict(
+                        out_dir=str(self.out),
+                        minutes=(time.time() - self.t_start) / 60,
+                        **summary,
+                        first=heldout(self.history[0]),
+                        last=heldout(self.last_eval),
+                    )
+                ),
+                flush=True,
+            )
         distributed.close(engine)
         return dict(history=self.history, out_dir=str(self.out))

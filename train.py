@@ -1,5 +1,6 @@
-"""GRPO training: the config, DeepScaleR's stage presets, and the loop. `python train.py` runs the CPU demo;
-`--help` lists every flag; `python train.py export CKPT OUT` writes a saved step as an HF folder.
+"""GRPO training: the config, DeepScaleR's stage presets, and the loop. `python train.py` runs the
+CPU demo; `--help` lists every flag; `python train.py export CKPT OUT` writes a saved step as an HF
+folder.
 
 One GRPO step, as train() runs it (each a named call below, in this order):
     1. take the step's P prompts; each engine its share                          rollout_round -> data.PromptStream
@@ -11,13 +12,15 @@ One GRPO step, as train() runs it (each a named call below, in this order):
     6. per minibatch: loss -> backward over token-budget micro-batches -> clip -> AdamW     update_policy -> grpo.py
     7. refit: the engine gets the new weights (LoRA: merged)                     rollout.Engine.load_weights
     8. metrics reduced over ranks, held-out evaluation, checkpoint               step_metrics, runtime.Run.end_step
-Each step writes one JSON line to <out_dir>/metrics.jsonl (logs.py); a run resumes from the newest readable
-checkpoint in <out_dir>/checkpoints; the final weights go to <out_dir>/final. Under torchrun the trainer is
-sharded with FSDP2 and each engine generates for its share of the prompts (distributed.py).
+Each step writes one JSON line to <out_dir>/metrics.jsonl (logs.py); a run resumes from the newest
+readable checkpoint in <out_dir>/checkpoints; the final weights go to <out_dir>/final. Under
+torchrun the trainer is sharded with FSDP2 and each engine generates for its share of the prompts
+(distributed.py).
 
-What it does not do: anything the files it calls own. The math and the loss's options are in grpo.py, problems and
-prompts in data.py (the demo's task in demo/tasks.py), LoRA's adapters in lora.py, the bookkeeping around the loop
-(flags every run has, resume, evaluation cadence, checkpoints, Ctrl-C) in runtime.py, which dpo.py's loop shares.
+What it does not do: anything the files it calls own. The math and the loss's options are in
+grpo.py, problems and prompts in data.py (the demo's task in demo/tasks.py), LoRA's adapters in
+lora.py, the bookkeeping around the loop (flags every run has, resume, evaluation cadence,
+checkpoints, Ctrl-C) in runtime.py, which dpo.py's loop shares.
 """
 
 import functools
@@ -42,157 +45,297 @@ import runtime
 import user_reward
 from checkpoint import export_hf
 from checks import UserError, check, one_line_errors
-from lora import Adapters  # (the field `lora` of Config would hide the module's name in the class body)
+from lora import (
+    Adapters,
+)  # (the field `lora` of Config would hide the module's name in the class body)
 from demo import tasks
 
 
 @dataclass
 class Config:
-    """GRPO's flags. The options of its objective (`loss`: grpo.LossConfig), LoRA's (`lora`: lora.Adapters) and the
-    flags every training run has (`run`: runtime.RunConfig) are dataclasses of their own; on the command line all
-    flags are flat (--eps-high, --lora-rank, --lr), and `--help` lists them in four groups."""
+    """GRPO's flags. The options of its objective (`loss`: grpo.LossConfig), LoRA's (`lora`:
+    lora.Adapters) and the flags every training run has (`run`: runtime.RunConfig) are dataclasses
+    of their own; on the command line all flags are flat (--eps-high, --lora-rank, --lr), and
+    `--help` lists them in four groups."""
 
     # the rollout engine
-    engine: Literal["vllm", "hf"] = "vllm"  # rollout engine: colocated vLLM, or HF generate (no vLLM needed)
-    tensor_parallel_size: int = 1  # vLLM tensor parallelism over this many consecutive ranks (one engine per group)
-    # GPU memory share vLLM may take for its weights and KV cache while it generates (it frees it while the trainer
-    # runs); the stage presets size it to the stage's KV cache
+    engine: Literal["vllm", "hf"] = (
+        "vllm"  # rollout engine: colocated vLLM, or HF generate (no vLLM needed)
+    )
+    tensor_parallel_size: int = (
+        1  # vLLM tensor parallelism over this many consecutive ranks (one engine per group)
+    )
+    # GPU memory share vLLM may take for its weights and KV cache while it generates (it frees it
+    # while the trainer runs); the stage presets size it to the stage's KV cache
     gpu_memory_utilization: float = 0.6
     # the task
-    task: Literal["sum3", "math"] = "sum3"  # sum3: the synthetic demo task; math: problems from --data, boxed answers
+    task: Literal["sum3", "math"] = (
+        "sum3"  # sum3: the synthetic demo task; math: problems from --data, boxed answers
+    )
     problem_field: str = "problem"  # math: field of the problem text (DeepScaleR-Preview: problem)
     answer_field: str = "answer"  # math: field of the gold answer (DeepScaleR-Preview: answer)
-    prompt_template: str = ""  # a text file with {problem}, used instead of the chat template + instruction
-    # math: the response's final answer is its last \boxed{} (boxed: DeepScaleR's), or that when it is there and not
-    # empty, else its last number (last-number: for models too small to box their answers, reward.py)
+    prompt_template: str = (
+        ""  # a text file with {problem}, used instead of the chat template + instruction
+    )
+    # math: the response's final answer is its last \boxed{} (boxed: DeepScaleR's), or that when it
+    # is there and not empty, else its last number (last-number: for models too small to box their
+    # answers, reward.py)
     answer: Literal["boxed", "last-number"] = "boxed"
-    # your own reward, path/to/file.py:function, a (response, gold) -> float used instead of the task's for training
-    # and held-out figures; a call that raises, hangs or returns a non-number scores 0 and is counted
-    # (reward_errors) and warned about (user_reward.py; demo/my_reward.py is an example)
+    # your own reward, path/to/file.py:function, a (response, gold) -> float used instead of the
+    # task's for training and held-out figures; a call that raises, hangs or returns a non-number
+    # scores 0 and is counted (reward_errors) and warned about (user_reward.py; demo/my_reward.py is
+    # an example)
     reward: str = ""
-    reward_timeout_s: float = 1.0  # --reward: a call running longer scores 0 (its worker process is killed)
-    stage: Literal[0, 1, 2, 3, 4] = 0  # DeepScaleR preset (1: 8K, 2: 16K, 3: 24K, 4: GSPO 8K); flags override it
-    init_from: str = ""  # start from this HF checkpoint folder (e.g. the previous stage's <out_dir>/final)
+    reward_timeout_s: float = (
+        1.0  # --reward: a call running longer scores 0 (its worker process is killed)
+    )
+    stage: Literal[0, 1, 2, 3, 4] = (
+        0  # DeepScaleR preset (1: 8K, 2: 16K, 3: 24K, 4: GSPO 8K); flags override it
+    )
+    init_from: str = (
+        ""  # start from this HF checkpoint folder (e.g. the previous stage's <out_dir>/final)
+    )
     # the batch
     prompts_per_step: int = 32  # P: prompts per step, over all ranks
     group_size: int = 8  # G: samples per prompt
-    minibatch_size: int = 0  # sequences per optimizer step; 0 = the whole step's P*G samples (one update per step)
-    max_new_tokens: int = 8  # response length limit; a response also stops where prompt + response reach max_seq_len
-    min_new_tokens: int = 0  # training responses are at least this long (EOS masked before): fixed-length benchmarks
-    max_seq_len: int = 64  # prompt + response: each response gets what its prompt leaves, up to max_new_tokens
-    # longer prompts are dropped; 0 = max_seq_len - max_new_tokens (every response has its full max_new_tokens)
+    minibatch_size: int = (
+        0  # sequences per optimizer step; 0 = the whole step's P*G samples (one update per step)
+    )
+    max_new_tokens: int = (
+        8  # response length limit; a response also stops where prompt + response reach max_seq_len
+    )
+    min_new_tokens: int = (
+        0  # training responses are at least this long (EOS masked before): fixed-length benchmarks
+    )
+    max_seq_len: int = (
+        64  # prompt + response: each response gets what its prompt leaves, up to max_new_tokens
+    )
+    # longer prompts are dropped; 0 = max_seq_len - max_new_tokens (every response has its full
+    # max_new_tokens)
     max_prompt_len: int = 0
     temperature: float = 1.0  # sampling temperature (the trainer's logprobs use the same one)
     top_p: float = 1.0  # nucleus sampling; keep 1.0 for training (the trainer does not renormalize)
-    overlong_filter: bool = False  # DAPO: mask truncated responses out of the loss (they still count in the baseline)
-    dynamic_sampling: bool = False  # DAPO: drop groups with all-equal rewards, draw more prompts to refill the batch
-    dynamic_sampling_max_tries: int = 4  # generation rounds per step before training on what was kept
+    overlong_filter: bool = (
+        False  # DAPO: mask truncated responses out of the loss (they still count in the baseline)
+    )
+    dynamic_sampling: bool = (
+        False  # DAPO: drop groups with all-equal rewards, draw more prompts to refill the batch
+    )
+    dynamic_sampling_max_tries: int = (
+        4  # generation rounds per step before training on what was kept
+    )
     # evaluation and progress
     eval_prompts: int = 200  # held-out prompts evaluated
-    detailed_progress: bool = False  # also bars for each step's rollout, training and evaluation (long GPU steps)
-    # CPU: before any model loads, stop if memory.py's estimate of a process's peak exceeds its share of the
-    # machine's available memory (the line names the flags that would fit); --no-memory-check runs anyway
+    detailed_progress: bool = (
+        False  # also bars for each step's rollout, training and evaluation (long GPU steps)
+    )
+    # CPU: before any model loads, stop if memory.py's estimate of a process's peak exceeds its
+    # share of the machine's available memory (the line names the flags that would fit);
+    # --no-memory-check runs anyway
     memory_check: bool = True
     loss: grpo.LossConfig = field(default_factory=grpo.LossConfig)
-    lora: Adapters = field(default_factory=Adapters)  # LoRA (lora.py): --lora-rank R > 0 trains adapters, not weights
+    lora: Adapters = field(
+        default_factory=Adapters
+    )  # LoRA (lora.py): --lora-rank R > 0 trains adapters, not weights
     run: runtime.RunConfig = field(default_factory=runtime.RunConfig)
 
 
-# DeepScaleR's three stages as NeMo-RL ran them on 8 GPUs (README: Math, the DeepScaleR recipe), as flags. Each
-# stage starts from the previous one's final checkpoint (--init-from). As in NeMo-RL, each response gets all that
-# its prompt leaves of max_seq_len (prompts of at most 1024 tokens). vLLM's share of each GPU holds the weights and
-# the KV cache of a rank's 128 sequences, 28 KiB per token at 1.5B: 0.6 of 80 GB fits them at 8K; at 16K and 24K
-# the shares are as large as the trainer's resident state allows, and long groups preempt (docs/distributed.md).
-_DEEPSCALER = dict(task="math", prompts_per_step=128, group_size=8, minibatch_size=64, weight_decay=0.01,
-                   warmup_steps=50, grad_clip=1.0, temperature=1.0, eps_low=0.2, activation_checkpointing=True,
-                   eval_every=10, eval_samples=16, detailed_progress=True, leave_one_out=True, max_prompt_len=1024,
-                   dist_timeout_s=3600)
+# DeepScaleR's three stages as NeMo-RL ran them on 8 GPUs (README: Math, the DeepScaleR recipe), as
+# flags. Each stage starts from the previous one's final checkpoint (--init-from). As in NeMo-RL,
+# each response gets all that its prompt leaves of max_seq_len (prompts of at most 1024 tokens).
+# vLLM's share of each GPU holds the weights and the KV cache of a rank's 128 sequences, 28 KiB per
+# token at 1.5B: 0.6 of 80 GB fits them at 8K; at 16K and 24K the shares are as large as the
+# trainer's resident state allows, and long groups preempt (docs/distributed.md).
+_DEEPSCALER = dict(
+    task="math",
+    prompts_per_step=128,
+    group_size=8,
+    minibatch_size=64,
+    weight_decay=0.01,
+    warmup_steps=50,
+    grad_clip=1.0,
+    temperature=1.0,
+    eps_low=0.2,
+    activation_checkpointing=True,
+    eval_every=10,
+    eval_samples=16,
+    detailed_progress=True,
+    leave_one_out=True,
+    max_prompt_len=1024,
+    dist_timeout_s=3600,
+)
 STAGES = {
-    1: dict(_DEEPSCALER, max_seq_len=8192, max_new_tokens=8192, lr=2e-6, kl_beta=0.0, eps_high=0.2, steps=240,
-            gpu_memory_utilization=0.6),
-    2: dict(_DEEPSCALER, max_seq_len=16384, max_new_tokens=16384, lr=2e-6, kl_beta=1e-3, eps_high=0.28, steps=290,
-            gpu_memory_utilization=0.8),
-    3: dict(_DEEPSCALER, max_seq_len=24576, max_new_tokens=24576, lr=5e-7, kl_beta=1e-4, eps_high=0.28, steps=50,
-            gpu_memory_utilization=0.85),
+    1: dict(
+        _DEEPSCALER,
+        max_seq_len=8192,
+        max_new_tokens=8192,
+        lr=2e-6,
+        kl_beta=0.0,
+        eps_high=0.2,
+        steps=240,
+        gpu_memory_utilization=0.6,
+    ),
+    2: dict(
+        _DEEPSCALER,
+        max_seq_len=16384,
+        max_new_tokens=16384,
+        lr=2e-6,
+        kl_beta=1e-3,
+        eps_high=0.28,
+        steps=290,
+        gpu_memory_utilization=0.8,
+    ),
+    3: dict(
+        _DEEPSCALER,
+        max_seq_len=24576,
+        max_new_tokens=24576,
+        lr=5e-7,
+        kl_beta=1e-4,
+        eps_high=0.28,
+        steps=50,
+        gpu_memory_utilization=0.85,
+    ),
 }
-STAGES[4] = dict(STAGES[1], pg="gspo", token_level=False)  # NeMo-RL's grpo-gspo-deepscaler-1.5b-8K: stage 1 + GSPO
+STAGES[4] = dict(
+    STAGES[1], pg="gspo", token_level=False
+)  # NeMo-RL's grpo-gspo-deepscaler-1.5b-8K: stage 1 + GSPO
 
 
 def parse_args(argv: list[str]) -> Config:
-    """The command line: `--stage N` sets the preset's values as defaults, and every other flag overrides them."""
+    """The command line: `--stage N` sets the preset's values as defaults, and every other flag
+    overrides them."""
     stage = 0
     for i, a in enumerate(argv):
-        value = a.split("=", 1)[1] if a.startswith("--stage=") else argv[i + 1] if a == "--stage" and i + 1 < len(argv) else None
+        value = (
+            a.split("=", 1)[1]
+            if a.startswith("--stage=")
+            else argv[i + 1]
+            if a == "--stage" and i + 1 < len(argv)
+            else None
+        )
         if value is not None:
-            check([(value in ("0", "1", "2", "3", "4"),
-                    f"--stage {value}: unknown stage (use 1, 2, 3, or 4 for GSPO)")])
+            check(
+                [
+                    (
+                        value in ("0", "1", "2", "3", "4"),
+                        f"--stage {value}: unknown stage (use 1, 2, 3, or 4 for GSPO)",
+                    )
+                ]
+            )
             stage = int(value)
     default = runtime.config(Config, stage=stage, **STAGES[stage]) if stage else Config()
     return tyro.cli(Config, default=default, args=argv, config=(tyro.conf.OmitArgPrefixes,))
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # The loop
 
 
 def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
-    """Run GRPO; `engine` lets a caller (the tests, tools/bench.py) bring an engine that already holds the base model."""
+    """Run GRPO; `engine` lets a caller (the tests, tools/bench.py) bring an engine that already
+    holds the base model."""
     rank, world = distributed.init(cfg.run.dist_timeout_s)
     validate(cfg, world)  # bad flags stop the run here, before any model or engine loads
     if cfg.memory_check:
         check_memory(cfg, world)  # and a run that cannot fit in this machine's memory
     device, bf16 = runtime.setup_process(cfg.run)
     task = load_task(cfg)  # and bad data here
-    policy = model.load_trainable(task.path, device, cfg.run.activation_checkpointing, cfg.run.trust_remote_code,
-                                  adapters=cfg.lora)
+    policy = model.load_trainable(
+        task.path,
+        device,
+        cfg.run.activation_checkpointing,
+        cfg.run.trust_remote_code,
+        adapters=cfg.lora,
+    )
     ref = None
-    if cfg.loss.kl_beta > 0:  # the frozen start model, only when the KL term is on: with LoRA the policy itself
-        ref = policy if cfg.lora.on else \
-            model.load_trainable(task.path, device, False, cfg.run.trust_remote_code).eval().requires_grad_(False)
+    if (
+        cfg.loss.kl_beta > 0
+    ):  # the frozen start model, only when the KL term is on: with LoRA the policy itself
+        ref = (
+            policy
+            if cfg.lora.on
+            else model.load_trainable(task.path, device, False, cfg.run.trust_remote_code)
+            .eval()
+            .requires_grad_(False)
+        )
     engine_dtype = torch.bfloat16 if bf16 else torch.float32
     own_engine = engine is None  # an engine the caller brought is the caller's to close
     engine = engine or make_engine(cfg, task.path, engine_dtype, device)
     opt, sched = runtime.optimizer(policy, cfg.run)
     stream = data.PromptStream(len(task.train), cfg.run.seed)
-    run = runtime.Run(cfg, policy, opt, sched, stream, lambda step: evaluate(engine, task, cfg, step), label="GRPO",
-                      show=dict(reward="reward_mean", heldout="heldout_pass1", mpe="token_mult_prob_error"),
-                      sigint=__name__ == "__main__")  # only a command-line run owns the process's Ctrl-C
+    run = runtime.Run(
+        cfg,
+        policy,
+        opt,
+        sched,
+        stream,
+        lambda step: evaluate(engine, task, cfg, step),
+        label="GRPO",
+        show=dict(reward="reward_mean", heldout="heldout_pass1", mpe="token_mult_prob_error"),
+        sigint=__name__ == "__main__",
+    )  # only a command-line run owns the process's Ctrl-C
     if run.start:  # resumed: the engine samples from the resumed weights
         engine.load_weights(model.hf_weights(policy.lm, engine_dtype))
     for step in run.steps():
         times = {}
-        groups = collect_groups(engine, task, stream, cfg, step, times)  # 1-3: prompts -> G responses -> rewards
-        engine.sleep()  # on GPU the trainer gets the engine's memory until the refit wakes the engine
+        groups = collect_groups(
+            engine, task, stream, cfg, step, times
+        )  # 1-3: prompts -> G responses -> rewards
+        # on GPU the trainer gets the engine's memory until the refit wakes the engine
+        engine.sleep()
         runtime.reset_peak_memory(device)  # peak_mem_gib: the trainer's peak, steps 4-6
-        adv = grpo.group_advantages(groups.rewards, cfg.loss.leave_one_out, cfg.loss.adv_scale,
-                                    batch_std=batch_std(groups.rewards, cfg))  # 4. [P, G]
-        batch = make_batch(groups.prompts, groups.samples, adv.flatten(), cfg.overlong_filter, task.tok.pad_token_id)
+        adv = grpo.group_advantages(
+            groups.rewards,
+            cfg.loss.leave_one_out,
+            cfg.loss.adv_scale,
+            batch_std=batch_std(groups.rewards, cfg),
+        )  # 4. [P, G]
+        batch = make_batch(
+            groups.prompts,
+            groups.samples,
+            adv.flatten(),
+            cfg.overlong_filter,
+            task.tok.pad_token_id,
+        )
         with runtime.timed(times, "logprobs"):
             batch = old_logprobs(policy, ref, batch, cfg, device)  # 5.
         with runtime.timed(times, "update"):
             upd = update_policy(policy, opt, sched, batch, cfg, device, groups.first_group)  # 6.
         peak_gib = runtime.peak_memory_gib(device, engine.device_bytes)
-        with runtime.timed(times, "refit"):  # 7. the engine samples the next step from the new weights
+        with runtime.timed(
+            times, "refit"
+        ):  # 7. the engine samples the next step from the new weights
             engine.load_weights(model.hf_weights(policy.lm, engine_dtype))
-        run.end_step(step, step_metrics(step, groups, batch, adv, upd, sched, times, peak_gib))  # 8.
+        run.end_step(
+            step, step_metrics(step, groups, batch, adv, upd, sched, times, peak_gib)
+        )  # 8.
     return run.finish(task.tok, engine if own_engine else None)
 
 
 def evaluate(engine: rollout.Engine, task: "Task", cfg: Config, step: int) -> dict:
-    """Held-out pass@1 and greedy accuracy (eval_aime.heldout_accuracy) of the engine's current weights; with
-    --reward FILE:FUNCTION also heldout_reward_errors, the held-out samples it failed on (scored 0)."""
+    """Held-out pass@1 and greedy accuracy (eval_aime.heldout_accuracy) of the engine's current
+    weights; with --reward FILE:FUNCTION also heldout_reward_errors, the held-out samples it failed
+    on (scored 0)."""
     figures = eval_aime.heldout_accuracy(
-        engine, task.tok, task.heldout_prompts, [p.answer for p in task.heldout], task.reward_fn,
-        cfg.run.eval_samples, [budget(cfg, p) for p in task.heldout_prompts], cfg.temperature,
+        engine,
+        task.tok,
+        task.heldout_prompts,
+        [p.answer for p in task.heldout],
+        task.reward_fn,
+        cfg.run.eval_samples,
+        [budget(cfg, p) for p in task.heldout_prompts],
+        cfg.temperature,
         cfg.run.seed + step,  # fresh samples at every evaluation, the same ones at any world size
-        cfg.tensor_parallel_size, _bars(cfg))
+        cfg.tensor_parallel_size,
+        _bars(cfg),
+    )
     if isinstance(task.reward_fn, user_reward.Guarded):
         failed = torch.tensor([float(task.reward_fn.take_failures())])
         figures["heldout_reward_errors"] = int(distributed.all_reduce_sum(failed).item())
     return figures
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Steps 1-3: the step's groups
 
 
@@ -206,98 +349,150 @@ class Groups:
     drawn: int  # groups generated, over every dynamic-sampling round (this rank's engine)
     zero_variance: int  # of those, groups whose rewards were all equal (no learning signal)
     rounds: int  # generation rounds (1 unless dynamic sampling drew more)
-    first_group: int  # the step-wide index of this rank's first group (minibatches are made of whole groups)
+    first_group: (
+        int  # the step-wide index of this rank's first group (minibatches are made of whole groups)
+    )
     reward_errors: int  # this step's samples a --reward FILE:FUNCTION failed on (scored 0)
 
 
-def collect_groups(engine, task: "Task", stream: data.PromptStream, cfg: Config, step: int, times: dict) -> Groups:
+def collect_groups(
+    engine, task: "Task", stream: data.PromptStream, cfg: Config, step: int, times: dict
+) -> Groups:
     """Steps 1-3: the step's prompts -> G responses to each -> a reward for each, this rank's share.
 
-    Example, the demo (P = 32, G = 8, one rank): the stream gives 32 indices into the training set; the engine
-    answers each prompt 8 times ("3+9+4=" -> "16", "12", "16", ...) and each answer is scored against the gold one:
-      Groups(prompts=[32 prompts' token ids], samples=[256 samples, prompt-major], rewards=[[1., 0., 1., ...], ...]
+    Example, the demo (P = 32, G = 8, one rank): the stream gives 32 indices into the training set;
+    the engine answers each prompt 8 times ("3+9+4=" -> "16", "12", "16", ...) and each answer is
+    scored
+    against the gold one:
+      Groups(prompts=[32 prompts' token ids], samples=[256 samples, prompt-major], rewards=[[1., 0.,
+      1., ...], ...]
              (a [32, 8] tensor), drawn=32, zero_variance=5, rounds=1, first_group=0)
 
-    Each engine takes its share of the step's prompts (rollout_round) and a prompt's G samples stay on one rank; the
-    ranks of a tensor-parallel engine send it identical requests, then each keeps its part of the groups. With
-    dynamic sampling (DAPO), groups whose rewards are all equal are dropped and more rounds drawn until every engine
-    has its share of informative groups or the tries run out; all ranks make the same number of rounds.
+    Each engine takes its share of the step's prompts (rollout_round) and a prompt's G samples stay
+    on one rank; the ranks of a tensor-parallel engine send it identical requests, then each keeps
+    its part of the groups. With dynamic sampling (DAPO), groups whose rewards are all equal are
+    dropped and more rounds drawn until every engine has its share of informative groups or the
+    tries run out; all ranks make the same number of rounds.
     """
     world, tp = distributed.world_size(), cfg.tensor_parallel_size
     share, per_rank = cfg.prompts_per_step // (world // tp), cfg.prompts_per_step // world
     kept, drawn, zero_variance, rounds = [], 0, 0, 0
     while True:
-        # a seed per step and round: fresh samples, the same at any world size (rollout_round gives each prompt
-        # its own stream, seeded by its place in the step)
-        groups = rollout_round(engine, task, stream, cfg, hash((cfg.run.seed, step, rounds)) % 2**31, times)
+        # a seed per step and round: fresh samples, the same at any world size (rollout_round gives
+        # each prompt its own stream, seeded by its place in the step)
+        groups = rollout_round(
+            engine, task, stream, cfg, hash((cfg.run.seed, step, rounds)) % 2**31, times
+        )
         rounds, drawn = rounds + 1, drawn + len(groups)
         zero_variance += sum(int(rewards.std() == 0) for _, _, rewards in groups)
-        kept += [g for g in groups if not cfg.dynamic_sampling or g[2].std() > 0][: share - len(kept)]
+        kept += [g for g in groups if not cfg.dynamic_sampling or g[2].std() > 0][
+            : share - len(kept)
+        ]
         if not cfg.dynamic_sampling or rounds >= cfg.dynamic_sampling_max_tries:
             break
-        if distributed.all_reduce_sum(torch.tensor([float(len(kept) < share)])).item() == 0:  # every engine is full
+        if (
+            distributed.all_reduce_sum(torch.tensor([float(len(kept) < share)])).item() == 0
+        ):  # every engine is full
             break
     tp_rank = distributed.rank() % tp
-    mine = kept[tp_rank * per_rank : (tp_rank + 1) * per_rank]  # P < per_rank when dynamic sampling ran short
+    mine = kept[
+        tp_rank * per_rank : (tp_rank + 1) * per_rank
+    ]  # P < per_rank when dynamic sampling ran short
     if not mine:  # nothing informative: one zero-advantage group keeps every rank's batch non-empty
         mine = groups[:1]
-    return Groups(prompts=[task.train_prompts[i] for i, _, _ in mine],
-                  samples=[replace(s, prompt_idx=k) for k, (_, samples, _) in enumerate(mine) for s in samples],
-                  rewards=torch.stack([rewards for _, _, rewards in mine]), drawn=drawn, zero_variance=zero_variance,
-                  rounds=rounds, first_group=distributed.rank() * per_rank,
-                  reward_errors=task.reward_fn.take_failures() if isinstance(task.reward_fn, user_reward.Guarded) else 0)
+    return Groups(
+        prompts=[task.train_prompts[i] for i, _, _ in mine],
+        samples=[
+            replace(s, prompt_idx=k) for k, (_, samples, _) in enumerate(mine) for s in samples
+        ],
+        rewards=torch.stack([rewards for _, _, rewards in mine]),
+        drawn=drawn,
+        zero_variance=zero_variance,
+        rounds=rounds,
+        first_group=distributed.rank() * per_rank,
+        reward_errors=task.reward_fn.take_failures()
+        if isinstance(task.reward_fn, user_reward.Guarded)
+        else 0,
+    )
 
 
-def rollout_round(engine, task: "Task", stream: data.PromptStream, cfg: Config, seed: int,
-                  times: dict) -> list[tuple[int, list[rollout.Sample], torch.Tensor]]:
+def rollout_round(
+    engine, task: "Task", stream: data.PromptStream, cfg: Config, seed: int, times: dict
+) -> list[tuple[int, list[rollout.Sample], torch.Tensor]]:
     """Steps 1-3 once: this engine's share of P new prompts, G responses to each, their rewards, as
     [(the prompt's index in the training set, its G samples, their rewards [G]), ...]."""
     tp, G = cfg.tensor_parallel_size, cfg.group_size
-    engine_rank, share = distributed.rank() // tp, cfg.prompts_per_step // (distributed.world_size() // tp)
-    ids = stream.take(cfg.prompts_per_step)[engine_rank * share : (engine_rank + 1) * share]  # 1. every rank draws
-    prompts = [task.train_prompts[i] for i in ids]  # the whole step's, so that all streams stay in step
+    engine_rank, share = (
+        distributed.rank() // tp,
+        cfg.prompts_per_step // (distributed.world_size() // tp),
+    )
+    ids = stream.take(cfg.prompts_per_step)[
+        engine_rank * share : (engine_rank + 1) * share
+    ]  # 1. every rank draws
+    prompts = [
+        task.train_prompts[i] for i in ids
+    ]  # the whole step's, so that all streams stay in step
     with runtime.timed(times, "generate"):  # 2.
-        samples = engine.generate(prompts, n=G, max_tokens=[budget(cfg, p) for p in prompts],
-                                  temperature=cfg.temperature, top_p=cfg.top_p, progress=_bars(cfg),
-                                  min_tokens=cfg.min_new_tokens, seed=seed,
-                                  first_index=engine_rank * share)  # the prompts' place in the step
+        samples = engine.generate(
+            prompts,
+            n=G,
+            max_tokens=[budget(cfg, p) for p in prompts],
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            progress=_bars(cfg),
+            min_tokens=cfg.min_new_tokens,
+            seed=seed,
+            first_index=engine_rank * share,
+        )  # the prompts' place in the step
     with runtime.timed(times, "score"):  # 3.
         rewards = score(task, ids, samples, G)  # [len(ids), G]
     return [(i, samples[g * G : (g + 1) * G], rewards[g]) for g, i in enumerate(ids)]
 
 
 def score(task: "Task", ids: list[int], samples: list[rollout.Sample], G: int) -> torch.Tensor:
-    """Step 3: each response's reward against its problem's gold answer, [P, G] for G samples of P prompts.
+    """Step 3: each response's reward against its problem's gold answer, [P, G] for G samples of P
+    prompts.
 
-    Example (sum3, G = 2): problems 3+9+4= and 1+2+3=, responses "16", "12" and "6", "6" -> [[1., 0.], [1., 1.]]."""
-    return torch.tensor([task.reward_fn(task.tok.decode(s.token_ids, skip_special_tokens=True),
-                                        task.train[ids[s.prompt_idx]].answer) for s in samples]).view(len(ids), G)
+    Example (sum3, G = 2): problems 3+9+4= and 1+2+3=, responses "16", "12" and "6", "6" -> [[1.,
+    0.], [1., 1.]]."""
+    return torch.tensor(
+        [
+            task.reward_fn(
+                task.tok.decode(s.token_ids, skip_special_tokens=True),
+                task.train[ids[s.prompt_idx]].answer,
+            )
+            for s in samples
+        ]
+    ).view(len(ids), G)
 
 
 def budget(cfg: Config, prompt: list[int]) -> int:
-    """A response's length limit: what its prompt leaves of --max-seq-len, at most --max-new-tokens (NeMo-RL caps
-    each request at the engine's max_model_len minus its prompt's length)."""
+    """A response's length limit: what its prompt leaves of --max-seq-len, at most --max-new-tokens
+    (NeMo-RL caps each request at the engine's max_model_len minus its prompt's length)."""
     return min(cfg.max_new_tokens, cfg.max_seq_len - len(prompt))
 
 
 def batch_std(rewards: torch.Tensor, cfg: Config) -> float | None:
-    """The sample std of every reward of the step over all ranks, for --adv-scale batch (else None)."""
+    """The sample std of every reward of the step over all ranks, for --adv-scale batch (else
+    None)."""
     if cfg.loss.adv_scale != "batch":
         return None
     r = rewards.double().flatten()
-    n, s1, s2 = distributed.all_reduce_sum(torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(),
-                                                        (r * r).sum()])).tolist()
+    n, s1, s2 = distributed.all_reduce_sum(
+        torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(), (r * r).sum()])
+    ).tolist()
     return max((s2 - s1 * s1 / n) / max(n - 1, 1), 0.0) ** 0.5
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # The batch the trainer sees
 
 
 @dataclass
 class Batch:
-    """Rows of samples as right-padded tensors: the step's batch (make_batch), or some of its rows (select), on
-    their way to the device (to). Step 5 adds the trainer's logprobs before the update (old_logprobs)."""
+    """Rows of samples as right-padded tensors: the step's batch (make_batch), or some of its rows
+    (select), on their way to the device (to). Step 5 adds the trainer's logprobs before the update
+    (old_logprobs)."""
 
     input_ids: torch.Tensor  # [N, L] prompt + response, right-padded
     attention_mask: torch.Tensor  # [N, L]
@@ -309,7 +504,9 @@ class Batch:
     truncated: torch.Tensor  # [N] bool: the response hit its length limit
     lengths: list[int]  # prompt + response length of each row
     rows: list[int]  # these rows' indices in the step's batch
-    old_logp: torch.Tensor | None = None  # [N, T] the trainer's, before the update (None: the update's own forward)
+    old_logp: torch.Tensor | None = (
+        None  # [N, T] the trainer's, before the update (None: the update's own forward)
+    )
     ref_logp: torch.Tensor | None = None  # [N, T] the frozen start model's (--kl-beta > 0)
 
     @property
@@ -322,32 +519,69 @@ class Batch:
         L = max(self.lengths[r] for r in rows)
         T = int(self.resp_mask[idx].sum(1).max().clamp(min=1))
         cut = lambda t: None if t is None else t[idx, :T]  # noqa: E731
-        return Batch(self.input_ids[idx, :L], self.attention_mask[idx, :L], self.resp_start[idx], cut(self.resp_mask),
-                     cut(self.gen_logp), self.advantages[idx], cut(self.loss_mask), self.truncated[idx],
-                     [self.lengths[r] for r in rows], list(rows), cut(self.old_logp), cut(self.ref_logp))
+        return Batch(
+            self.input_ids[idx, :L],
+            self.attention_mask[idx, :L],
+            self.resp_start[idx],
+            cut(self.resp_mask),
+            cut(self.gen_logp),
+            self.advantages[idx],
+            cut(self.loss_mask),
+            self.truncated[idx],
+            [self.lengths[r] for r in rows],
+            list(rows),
+            cut(self.old_logp),
+            cut(self.ref_logp),
+        )
 
     def stand_in(self) -> "Batch":
-        """FSDP's stand-in for a micro-batch this rank lacks (micro_batches): one row of two tokens, a prompt token
-        and a response token (so every parameter takes part, as FSDP's gradient reduction needs), whose masks and
-        advantage are 0, so its loss, gradient and metrics are 0; it costs two tokens, whatever the batch's rows."""
-        zeros = lambda t, *shape: None if t is None else torch.zeros(*shape, dtype=t.dtype)  # noqa: E731
-        return Batch(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), torch.tensor([1]),
-                     zeros(self.resp_mask, 1, 1), zeros(self.gen_logp, 1, 1), zeros(self.advantages, 1),
-                     zeros(self.loss_mask, 1, 1), torch.zeros(1, dtype=torch.bool), [2], [],
-                     zeros(self.old_logp, 1, 1), zeros(self.ref_logp, 1, 1))
+        """FSDP's stand-in for a micro-batch this rank lacks (micro_batches): one row of two tokens,
+        a prompt token and a response token (so every parameter takes part, as FSDP's gradient
+        reduction needs), whose masks and advantage are 0, so its loss, gradient and metrics are 0;
+        it costs two tokens, whatever the batch's rows."""
+
+        def zeros(t, *shape):
+            return None if t is None else torch.zeros(*shape, dtype=t.dtype)
+
+        return Batch(
+            torch.zeros(1, 2, dtype=torch.long),
+            torch.ones(1, 2, dtype=torch.long),
+            torch.tensor([1]),
+            zeros(self.resp_mask, 1, 1),
+            zeros(self.gen_logp, 1, 1),
+            zeros(self.advantages, 1),
+            zeros(self.loss_mask, 1, 1),
+            torch.zeros(1, dtype=torch.bool),
+            [2],
+            [],
+            zeros(self.old_logp, 1, 1),
+            zeros(self.ref_logp, 1, 1),
+        )
 
     def to(self, device) -> "Batch":
         """The same rows with every tensor on `device`."""
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
 
 
-def make_batch(prompts: list[list[int]], samples: list[rollout.Sample], advantages: torch.Tensor,
-               overlong_filter: bool, pad_id: int) -> Batch:
-    """The step's samples as the trainer's tensors: each sample's prompt + response one right-padded row.
+def make_batch(
+    prompts: list[list[int]],
+    samples: list[rollout.Sample],
+    advantages: torch.Tensor,
+    overlong_filter: bool,
+    pad_id: int,
+) -> Batch:
+    """The step's samples as the trainer's tensors: each sample's prompt + response one right-padded
+    row.
 
-    Example (pad_id 0): prompts [[1, 7]], two samples of prompt 0, [5, 2] (ending in EOS 2) and [6] (cut at its
-    limit), advantages [1., -1.] ->
+    Example (pad_id 0): prompts [[1, 7]], two samples of prompt 0, [5, 2] (ending in EOS 2) and [6]
+    (cut at its limit), advantages [1., -1.] ->
       input_ids  [[1, 7, 5, 2], [1, 7, 6, 0]]      attention_mask [[1, 1, 1, 1], [1, 1, 1, 0]]
       resp_start [2, 2]                            resp_mask      [[1., 1.], [1., 0.]]
       gen_logp   each sample's logprobs, 0 past its end
@@ -370,26 +604,48 @@ def make_batch(prompts: list[list[int]], samples: list[rollout.Sample], advantag
     start = torch.tensor([len(prompts[s.prompt_idx]) for s in samples])
     truncated = torch.tensor([s.truncated for s in samples])
     loss_mask = resp_mask * (~truncated).float()[:, None] if overlong_filter else resp_mask
-    return Batch(ids, am, start, resp_mask, gen_logp, advantages, loss_mask, truncated, [len(s) for s in seqs],
-                 list(range(N)))
+    return Batch(
+        ids,
+        am,
+        start,
+        resp_mask,
+        gen_logp,
+        advantages,
+        loss_mask,
+        truncated,
+        [len(s) for s in seqs],
+        list(range(N)),
+    )
 
 
 def micro_batches(b: Batch, rows: list[int], token_budget: int) -> list[Batch]:
-    """`rows` of b in micro-batches whose padded tokens stay within the budget (distributed.micro_batches: longest
-    first), each trimmed to its own rows, and as many on every rank: a rank with fewer runs b.stand_in() in place
-    of each it lacks (FSDP's collectives need the same passes on every rank). A collective."""
-    return [b.select(r) if r else b.stand_in() for r in distributed.micro_batches(b.lengths, rows, token_budget)]
+    """`rows` of b in micro-batches whose padded tokens stay within the budget
+    (distributed.micro_batches: longest first), each trimmed to its own rows, and as many on every
+    rank: a rank with fewer runs b.stand_in() in place of each it lacks (FSDP's collectives need the
+    same passes on every rank). A collective."""
+    return [
+        b.select(r) if r else b.stand_in()
+        for r in distributed.micro_batches(b.lengths, rows, token_budget)
+    ]
 
 
 def logprobs(m, mb: Batch, cfg: Config, device, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi of mb's response tokens at the sampling temperature, [n, T], and with grad the policy's entropy there
-    (else zeros), under the run's precision policy (runtime.autocast)."""
+    """log pi of mb's response tokens at the sampling temperature, [n, T], and with grad the
+    policy's entropy there (else zeros), under the run's precision policy (runtime.autocast)."""
     with torch.set_grad_enabled(grad), runtime.autocast(cfg.run, device):
-        return model.token_logprobs(m, mb.input_ids, mb.attention_mask, mb.resp_start, mb.T, cfg.temperature,
-                                    cfg.run.logprob_chunk_tokens, with_entropy=grad)
+        return model.token_logprobs(
+            m,
+            mb.input_ids,
+            mb.attention_mask,
+            mb.resp_start,
+            mb.T,
+            cfg.temperature,
+            cfg.run.logprob_chunk_tokens,
+            with_entropy=grad,
+        )
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Steps 5-6: the update
 
 
@@ -399,14 +655,17 @@ def n_minibatches(cfg: Config) -> int:
 
 
 def old_logprobs(policy, ref, b: Batch, cfg: Config, device) -> Batch:
-    """Step 5: b with the trainer's logprobs of the sampled tokens before the update (old_logp, [N, T]) and the
-    frozen start model's (ref_logp, [N, T], for the KL term), each a no-grad pass over token-budget micro-batches.
-    With LoRA `ref` is the policy itself with its adapters switched off: the base, which is the start model.
+    """Step 5: b with the trainer's logprobs of the sampled tokens before the update (old_logp, [N,
+    T]) and the frozen start model's (ref_logp, [N, T], for the KL term), each a no-grad pass over
+    token-budget micro-batches. With LoRA `ref` is the policy itself with its adapters switched off:
+    the base, which is the start model.
 
-    With one minibatch old_logp stays None and costs no pass: the policy has not moved before its only update, so
-    the update's own forward, detached, gives the old logprobs (update_policy); the logged loss is then near 0
-    (ratio 1, advantages centred) while its gradient is not. ref_logp is None without a reference model.
+    With one minibatch old_logp stays None and costs no pass: the policy has not moved before its
+    only update, so the update's own forward, detached, gives the old logprobs (update_policy); the
+    logged loss is then near 0 (ratio 1, advantages centred) while its gradient is not. ref_logp is
+    None without a reference model.
     """
+
     def pass_over(m) -> torch.Tensor:  # [N, T]
         out = torch.zeros_like(b.gen_logp)
         for mb in micro_batches(b, b.rows, cfg.run.micro_batch_tokens):
@@ -422,20 +681,25 @@ def old_logprobs(policy, ref, b: Batch, cfg: Config, device) -> Batch:
 
 @dataclass
 class Update:
-    """What step 6 reports: this rank's sums over its micro-batches (step_metrics sums them over ranks)."""
+    """What step 6 reports: this rank's sums over its micro-batches (step_metrics sums them over
+    ranks)."""
 
     loss: grpo.LossMetrics = field(default_factory=grpo.LossMetrics)  # the loss and its diagnostics
-    mismatch: grpo.Mismatch = field(default_factory=grpo.Mismatch)  # engine vs trainer before the update
+    mismatch: grpo.Mismatch = field(
+        default_factory=grpo.Mismatch
+    )  # engine vs trainer before the update
     entropy: float = 0.0  # the policy's entropy, summed over response tokens
     grad_norm: float = 0.0  # of the last minibatch, before clipping
     skipped: int = 0  # minibatch updates skipped for a non-finite loss or gradient
 
 
-def update_policy(policy, opt, sched, b: Batch, cfg: Config, device, first_group: int = 0) -> Update:
-    """Step 6: one AdamW step per minibatch, each over token-budget micro-batches (forward -> loss -> backward),
-    then clip and step; then one step of the LR schedule. Every loss is divided by the minibatch's global
-    normalizer, so FSDP's gradient reduction sums to the global batch's gradient at any world size.
-    first_group: the step-wide index of b's first group (Groups.first_group)."""
+def update_policy(
+    policy, opt, sched, b: Batch, cfg: Config, device, first_group: int = 0
+) -> Update:
+    """Step 6: one AdamW step per minibatch, each over token-budget micro-batches (forward -> loss
+    -> backward), then clip and step; then one step of the LR schedule. Every loss is divided by the
+    minibatch's global normalizer, so FSDP's gradient reduction sums to the global batch's gradient
+    at any world size. first_group: the step-wide index of b's first group (Groups.first_group)."""
     policy.train()
     upd = Update()
     for rows in minibatches(len(b.rows), cfg, first_group):
@@ -444,10 +708,15 @@ def update_policy(policy, opt, sched, b: Batch, cfg: Config, device, first_group
         for k, mb in enumerate(micro):
             mb = mb.to(device)
             logp, entropy = logprobs(policy, mb, cfg, device, grad=True)  # [n, T] each
-            old = logp.detach() if mb.old_logp is None else mb.old_logp  # None: one minibatch (old_logprobs)
-            loss, metrics = grpo.policy_loss(logp, old, mb.advantages, mb.loss_mask, cfg.loss, norm, mb.ref_logp,
-                                             mb.gen_logp)
-            with distributed.gradient_sync(policy, k == len(micro) - 1):  # one gradient reduction per minibatch
+            old = (
+                logp.detach() if mb.old_logp is None else mb.old_logp
+            )  # None: one minibatch (old_logprobs)
+            loss, metrics = grpo.policy_loss(
+                logp, old, mb.advantages, mb.loss_mask, cfg.loss, norm, mb.ref_logp, mb.gen_logp
+            )
+            with distributed.gradient_sync(
+                policy, k == len(micro) - 1
+            ):  # one gradient reduction per minibatch
                 (loss * distributed.loss_scale()).backward()
             runtime.accumulate(upd.loss, metrics)
             runtime.accumulate(upd.mismatch, grpo.mismatch_metrics(mb.gen_logp, old, mb.resp_mask))
@@ -455,35 +724,41 @@ def update_policy(policy, opt, sched, b: Batch, cfg: Config, device, first_group
         upd.grad_norm, skipped = runtime.optimizer_step(policy, opt, cfg.run.grad_clip)
         upd.skipped += skipped
     if upd.skipped < n_minibatches(cfg):
-        sched.step()  # the LR schedule counts GRPO steps, as NeMo-RL's (not one whose every update was skipped)
+        # the LR schedule counts GRPO steps, as NeMo-RL's (not one whose every update was skipped)
+        sched.step()
     policy.eval()
     return upd
 
 
 def minibatches(n_rows: int, cfg: Config, first_group: int) -> list[list[int]]:
-    """This rank's rows of each minibatch. Minibatch k holds the groups whose step-wide index j has j % n == k:
-    whole groups, and the same minibatches at any world size (a contiguous split per rank would mix different
-    groups). Every rank makes the same number of optimizer steps, even with an uneven share (dynamic sampling).
-    Example (G = 2, 2 minibatches, 6 rows, first group 0): [[0, 1, 4, 5], [2, 3]]."""
+    """This rank's rows of each minibatch. Minibatch k holds the groups whose step-wide index j has
+    j % n == k: whole groups, and the same minibatches at any world size (a contiguous split per
+    rank would mix different groups). Every rank makes the same number of optimizer steps, even with
+    an uneven share (dynamic sampling). Example (G = 2, 2 minibatches, 6 rows, first group 0): [[0,
+    1, 4, 5], [2, 3]]."""
     n, G = n_minibatches(cfg), cfg.group_size
     return [[r for r in range(n_rows) if (first_group + r // G) % n == k] for k in range(n)]
 
 
 def normalizer(b: Batch, rows: list[int], token_level: bool) -> float:
-    """The minibatch's loss normalizer over every rank: its loss tokens (token level) or its sequences that have
-    any (sequence level), so that the gradient does not depend on world size or micro-batching. A collective."""
-    counts = torch.tensor([b.loss_mask[rows].sum().item(), float((b.loss_mask[rows].sum(1) > 0).sum())])
+    """The minibatch's loss normalizer over every rank: its loss tokens (token level) or its
+    sequences that have any (sequence level), so that the gradient does not depend on world size or
+    micro-batching. A collective."""
+    counts = torch.tensor(
+        [b.loss_mask[rows].sum().item(), float((b.loss_mask[rows].sum(1) > 0).sum())]
+    )
     distributed.all_reduce_sum(counts)
     return max(float(counts[0] if token_level else counts[1]), 1.0)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Step 8: metrics
 
 
 @dataclass
 class StepSums:
-    """This rank's sums over one step's groups and update, besides the loss's (step_metrics sums them over ranks)."""
+    """This rank's sums over one step's groups and update, besides the loss's (step_metrics sums
+    them over ranks)."""
 
     reward: float
     seqs: float
@@ -497,33 +772,67 @@ class StepSums:
     reward_errors: float  # samples whose --reward failed (Groups.reward_errors)
 
 
-def step_metrics(step: int, groups: Groups, b: Batch, adv: torch.Tensor, upd: Update, sched, times: dict,
-                 peak_mem_gib: float) -> dict:
-    """One metrics.jsonl row: sums over every rank, then the means NeMo-RL logs under the same names.
-    peak_mem_gib: the trainer's peak in steps 4-6, the largest over ranks (runtime.peak_memory_gib)."""
+def step_metrics(
+    step: int,
+    groups: Groups,
+    b: Batch,
+    adv: torch.Tensor,
+    upd: Update,
+    sched,
+    times: dict,
+    peak_mem_gib: float,
+) -> dict:
+    """One metrics.jsonl row: sums over every rank, then the means NeMo-RL logs under the same
+    names. peak_mem_gib: the trainer's peak in steps 4-6, the largest over ranks
+    (runtime.peak_memory_gib)."""
     a = adv.flatten().double()
-    here = StepSums(float(groups.rewards.sum()), groups.rewards.numel(), float(b.resp_mask.sum()),
-                    float(b.truncated.sum()), groups.drawn, groups.zero_variance, float(a.sum()), float((a * a).sum()),
-                    upd.entropy, groups.reward_errors)
+    here = StepSums(
+        float(groups.rewards.sum()),
+        groups.rewards.numel(),
+        float(b.resp_mask.sum()),
+        float(b.truncated.sum()),
+        groups.drawn,
+        groups.zero_variance,
+        float(a.sum()),
+        float((a * a).sum()),
+        upd.entropy,
+        groups.reward_errors,
+    )
     r, m, mm = distributed.sum_over_ranks(here, upd.loss, upd.mismatch)
     n_seq, n_tok, n_loss_tok = r.seqs, max(r.resp_tokens, 1.0), max(m.tokens, 1.0)
     adv_mean = r.adv / n_seq
     return dict(
-        step=step, reward_mean=r.reward / n_seq, response_len_mean=r.resp_tokens / n_seq, seqs=int(n_seq),
-        loss=m.loss, grad_norm=upd.grad_norm, clip_frac_low=m.clip_low / n_loss_tok,
-        clip_frac_high=m.clip_high / n_loss_tok, kl=m.kl / n_loss_tok, entropy=r.entropy / n_tok,
-        token_mult_prob_error=mm.token_mult_prob_error / n_tok, gen_kl_error=mm.gen_kl_error / n_tok,
-        policy_kl_error=mm.policy_kl_error / n_tok, js_divergence_error=mm.js_divergence_error / n_tok,
-        truncated_frac=r.truncated / n_seq, is_oob_frac=m.is_oob / max(m.is_units, 1.0),
-        zero_var_group_frac=r.zero_var_groups / r.groups, adv_mean=adv_mean, skipped_updates=upd.skipped,
-        adv_std=max(r.adv_sq / n_seq - adv_mean**2, 0.0) ** 0.5, generation_rounds=groups.rounds,
-        lr=sched.get_last_lr()[0], peak_mem_gib=peak_mem_gib, reward_errors=int(r.reward_errors),
-        tokens_per_s=r.resp_tokens / max(sum(times.values()), 1e-9),  # generated tokens per second of steps 1-7
+        step=step,
+        reward_mean=r.reward / n_seq,
+        response_len_mean=r.resp_tokens / n_seq,
+        seqs=int(n_seq),
+        loss=m.loss,
+        grad_norm=upd.grad_norm,
+        clip_frac_low=m.clip_low / n_loss_tok,
+        clip_frac_high=m.clip_high / n_loss_tok,
+        kl=m.kl / n_loss_tok,
+        entropy=r.entropy / n_tok,
+        token_mult_prob_error=mm.token_mult_prob_error / n_tok,
+        gen_kl_error=mm.gen_kl_error / n_tok,
+        policy_kl_error=mm.policy_kl_error / n_tok,
+        js_divergence_error=mm.js_divergence_error / n_tok,
+        truncated_frac=r.truncated / n_seq,
+        is_oob_frac=m.is_oob / max(m.is_units, 1.0),
+        zero_var_group_frac=r.zero_var_groups / r.groups,
+        adv_mean=adv_mean,
+        skipped_updates=upd.skipped,
+        adv_std=max(r.adv_sq / n_seq - adv_mean**2, 0.0) ** 0.5,
+        generation_rounds=groups.rounds,
+        lr=sched.get_last_lr()[0],
+        peak_mem_gib=peak_mem_gib,
+        reward_errors=int(r.reward_errors),
+        tokens_per_s=r.resp_tokens
+        / max(sum(times.values()), 1e-9),  # generated tokens per second of steps 1-7
         **{f"time_{k}": v for k, v in times.items()},
     )
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Set-up: flags, task, engine
 
 
@@ -533,7 +842,8 @@ class Task:
 
     path: str  # the start weights (--init-from, or --model resolved)
     tok: object  # the model's tokenizer
-    reward_fn: object  # reward.exact_reward (sum3), reward.math_reward (--answer), or --reward's user_reward.Guarded
+    # reward.exact_reward (sum3), reward.math_reward (--answer), or --reward's user_reward.Guarded
+    reward_fn: object
     train: list[data.Problem]
     train_prompts: list[list[int]]  # token ids of each training prompt
     heldout: list[data.Problem]  # the first --eval-prompts held-out problems that fit
@@ -541,7 +851,8 @@ class Task:
 
 
 def load_task(cfg: Config) -> Task:
-    """Problems (a bad row raises data.DataError before any model loads), the tokenizer, every prompt's token ids."""
+    """Problems (a bad row raises data.DataError before any model loads), the tokenizer, every
+    prompt's token ids."""
     if cfg.task == "sum3":
         train_set, heldout = tasks.sum3_split()
     else:
@@ -554,49 +865,73 @@ def load_task(cfg: Config) -> Task:
     path = model_path(cfg)
     tok = model.load_tokenizer(path, cfg.run.trust_remote_code)
     train_set, train_prompts = encode_prompts(cfg, tok, train_set, template, "training")
-    heldout, heldout_prompts = encode_prompts(cfg, tok, heldout[: cfg.eval_prompts], template, "held-out")
-    reward_fn = reward.exact_reward if cfg.task == "sum3" else functools.partial(reward.math_reward,
-                                                                                answer=cfg.answer)
+    heldout, heldout_prompts = encode_prompts(
+        cfg, tok, heldout[: cfg.eval_prompts], template, "held-out"
+    )
+    reward_fn = (
+        reward.exact_reward
+        if cfg.task == "sum3"
+        else functools.partial(reward.math_reward, answer=cfg.answer)
+    )
     if cfg.reward:
         reward_fn = user_reward.load(cfg.reward, cfg.reward_timeout_s)
     return Task(path, tok, reward_fn, train_set, train_prompts, heldout, heldout_prompts)
 
 
 def model_path(cfg: Config) -> str:
-    """Where the run's starting weights are: --init-from, else --model (a built-in base is built on first use)."""
+    """Where the run's starting weights are: --init-from, else --model (a built-in base is built on
+    first use)."""
     return cfg.init_from or model.resolve(cfg.run.model)
 
 
 def encode_prompts(cfg: Config, tok, problems: list[data.Problem], template: str | None, what: str):
     """Prompt token ids; prompts longer than prompt_limit(cfg) are dropped, counted and reported."""
     limit = prompt_limit(cfg)
-    ids = [tok(p.prompt)["input_ids"] if cfg.task == "sum3" else data.math_prompt(tok, p.prompt, template)
-           for p in problems]
+    ids = [
+        tok(p.prompt)["input_ids"]
+        if cfg.task == "sum3"
+        else data.math_prompt(tok, p.prompt, template)
+        for p in problems
+    ]
     keep = [i for i, p in enumerate(ids) if len(p) <= limit]
     if len(keep) < len(ids):
-        why = f"--max-prompt-len {limit}" if cfg.max_prompt_len else \
-            f"--max-seq-len {cfg.max_seq_len} - --max-new-tokens {cfg.max_new_tokens}"
-        distributed.print0(f"dropped {len(ids) - len(keep)} of {len(ids)} {what} prompts longer than {limit} tokens "
-                           f"({why})")
+        why = (
+            f"--max-prompt-len {limit}"
+            if cfg.max_prompt_len
+            else f"--max-seq-len {cfg.max_seq_len} - --max-new-tokens {cfg.max_new_tokens}"
+        )
+        distributed.print0(
+            f"dropped {len(ids) - len(keep)} of {len(ids)} {what} prompts longer than {limit} "
+            "tokens "
+            f"({why})"
+        )
     if not keep and problems:
         raise UserError(f"every {what} prompt is longer than {limit} tokens; raise --max-seq-len")
     return [problems[i] for i in keep], [ids[i] for i in keep]
 
 
 def prompt_limit(cfg: Config) -> int:
-    """The longest prompt a run keeps: --max-prompt-len, else what leaves every response its --max-new-tokens."""
+    """The longest prompt a run keeps: --max-prompt-len, else what leaves every response its
+    --max-new-tokens."""
     return cfg.max_prompt_len or cfg.max_seq_len - cfg.max_new_tokens
 
 
 def make_engine(cfg: Config, path: str, dtype: torch.dtype, device) -> rollout.Engine:
     if cfg.engine == "hf":
-        return rollout.HFEngine(path, dtype=dtype, trust_remote_code=cfg.run.trust_remote_code, device=device)
+        return rollout.HFEngine(
+            path, dtype=dtype, trust_remote_code=cfg.run.trust_remote_code, device=device
+        )
     tp = cfg.tensor_parallel_size
-    return rollout.VLLMEngine(path, max_model_len=cfg.max_seq_len,
-                              seed=cfg.run.seed + distributed.rank() // tp,  # each engine its own stream
-                              dtype=str(dtype).removeprefix("torch."), external_launcher=distributed.in_group(),
-                              gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=tp,
-                              trust_remote_code=cfg.run.trust_remote_code)
+    return rollout.VLLMEngine(
+        path,
+        max_model_len=cfg.max_seq_len,
+        seed=cfg.run.seed + distributed.rank() // tp,  # each engine its own stream
+        dtype=str(dtype).removeprefix("torch."),
+        external_launcher=distributed.in_group(),
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        tensor_parallel_size=tp,
+        trust_remote_code=cfg.run.trust_remote_code,
+    )
 
 
 def _bars(cfg: Config) -> bool:
@@ -605,67 +940,131 @@ def _bars(cfg: Config) -> bool:
 
 
 def validate(cfg: Config, world: int) -> None:
-    """One clear line for a bad flag, before any model or engine is loaded: GRPO's own flags, the loss's
-    (grpo.config_error), and those every run has (runtime.run_checks)."""
+    """One clear line for a bad flag, before any model or engine is loaded: GRPO's own flags, the
+    loss's (grpo.config_error), and those every run has (runtime.run_checks)."""
     loss_error = grpo.config_error(cfg.loss)
-    check([
-        (cfg.group_size >= 2, f"--group-size {cfg.group_size}: GRPO needs at least 2 samples per prompt"),
-        (cfg.prompts_per_step >= world and cfg.prompts_per_step % world == 0,
-         f"--prompts-per-step {cfg.prompts_per_step}: must be a positive multiple of the {world} ranks"),
-        (cfg.minibatch_size == 0 or (cfg.minibatch_size > 0 and cfg.minibatch_size % cfg.group_size == 0
-                                     and (cfg.prompts_per_step * cfg.group_size) % cfg.minibatch_size == 0),
-         f"--minibatch-size {cfg.minibatch_size}: must be a multiple of --group-size {cfg.group_size} (whole "
-         f"groups) dividing prompts_per_step * group_size = {cfg.prompts_per_step * cfg.group_size}"),
-        (0 <= cfg.min_new_tokens <= cfg.max_new_tokens,
-         f"--min-new-tokens {cfg.min_new_tokens}: must be in [0, --max-new-tokens {cfg.max_new_tokens}]"),
-        (0 < cfg.max_new_tokens <= cfg.max_seq_len,
-         f"--max-new-tokens {cfg.max_new_tokens}: must be positive and at most --max-seq-len {cfg.max_seq_len}"),
-        (0 < prompt_limit(cfg) < cfg.max_seq_len,
-         f"--max-prompt-len {cfg.max_prompt_len}: must be positive and below --max-seq-len {cfg.max_seq_len}"
-         if cfg.max_prompt_len else f"--max-new-tokens {cfg.max_new_tokens}: leaves no room for a prompt in "
-         f"--max-seq-len {cfg.max_seq_len} (lower it, or set --max-prompt-len: responses then get what it leaves)"),
-        (0 < cfg.gpu_memory_utilization < 1,
-         f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: must be a fraction in (0, 1)"),
-        (cfg.tensor_parallel_size >= 1 and world % cfg.tensor_parallel_size == 0
-         and (cfg.engine == "vllm" or cfg.tensor_parallel_size == 1),
-         f"--tensor-parallel-size {cfg.tensor_parallel_size}: must divide the {world} ranks (vLLM engine only)"),
-        (cfg.temperature > 0, f"--temperature {cfg.temperature}: must be positive for GRPO sampling"),
-        (not loss_error, loss_error),
-        (not cfg.init_from or os.path.isfile(os.path.join(cfg.init_from, "config.json")),
-         f"--init-from {cfg.init_from}: not an HF checkpoint folder (no config.json)"),
-        (cfg.task != "math" or bool(cfg.run.data), "--data: the math task needs a problem file or dataset name"),
-        (cfg.answer == "boxed" or (cfg.task == "math" and not cfg.reward),
-         f"--answer {cfg.answer}: chooses how the math task's reward reads an answer (--task math, no --reward)"),
-        *user_reward.checks(cfg.reward, cfg.reward_timeout_s),
-        *lora.flag_checks(cfg.lora),
-        *runtime.run_checks(cfg.run),
-    ])
-    if cfg.lora.on:  # peft must be able to put the adapters on the model: read from its config, no weights load
-        lora.model_checks(cfg.lora, model_path(cfg), cfg.run.trust_remote_code,
-                          f"--init-from {cfg.init_from}" if cfg.init_from else f"--model {cfg.run.model}")
+    check(
+        [
+            (
+                cfg.group_size >= 2,
+                f"--group-size {cfg.group_size}: GRPO needs at least 2 samples per prompt",
+            ),
+            (
+                cfg.prompts_per_step >= world and cfg.prompts_per_step % world == 0,
+                f"--prompts-per-step {cfg.prompts_per_step}: must be a positive multiple of the "
+                f"{world} ranks",
+            ),
+            (
+                cfg.minibatch_size == 0
+                or (
+                    cfg.minibatch_size > 0
+                    and cfg.minibatch_size % cfg.group_size == 0
+                    and (cfg.prompts_per_step * cfg.group_size) % cfg.minibatch_size == 0
+                ),
+                f"--minibatch-size {cfg.minibatch_size}: must be a multiple of --group-size "
+                f"{cfg.group_size} (whole "
+                "groups) dividing prompts_per_step * group_size = "
+                f"{cfg.prompts_per_step * cfg.group_size}",
+            ),
+            (
+                0 <= cfg.min_new_tokens <= cfg.max_new_tokens,
+                f"--min-new-tokens {cfg.min_new_tokens}: must be in [0, --max-new-tokens "
+                f"{cfg.max_new_tokens}]",
+            ),
+            (
+                0 < cfg.max_new_tokens <= cfg.max_seq_len,
+                f"--max-new-tokens {cfg.max_new_tokens}: must be positive and at most "
+                f"--max-seq-len {cfg.max_seq_len}",
+            ),
+            (
+                0 < prompt_limit(cfg) < cfg.max_seq_len,
+                f"--max-prompt-len {cfg.max_prompt_len}: must be positive and below --max-seq-len "
+                f"{cfg.max_seq_len}"
+                if cfg.max_prompt_len
+                else f"--max-new-tokens {cfg.max_new_tokens}: leaves no room for a prompt in "
+                f"--max-seq-len {cfg.max_seq_len} (lower it, or set --max-prompt-len: responses "
+                "then get what it leaves)",
+            ),
+            (
+                0 < cfg.gpu_memory_utilization < 1,
+                f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: must be a fraction in (0, "
+                "1)",
+            ),
+            (
+                cfg.tensor_parallel_size >= 1
+                and world % cfg.tensor_parallel_size == 0
+                and (cfg.engine == "vllm" or cfg.tensor_parallel_size == 1),
+                f"--tensor-parallel-size {cfg.tensor_parallel_size}: must divide the {world} ranks "
+                "(vLLM engine only)",
+            ),
+            (
+                cfg.temperature > 0,
+                f"--temperature {cfg.temperature}: must be positive for GRPO sampling",
+            ),
+            (not loss_error, loss_error),
+            (
+                not cfg.init_from or os.path.isfile(os.path.join(cfg.init_from, "config.json")),
+                f"--init-from {cfg.init_from}: not an HF checkpoint folder (no config.json)",
+            ),
+            (
+                cfg.task != "math" or bool(cfg.run.data),
+                "--data: the math task needs a problem file or dataset name",
+            ),
+            (
+                cfg.answer == "boxed" or (cfg.task == "math" and not cfg.reward),
+                f"--answer {cfg.answer}: chooses how the math task's reward reads an answer "
+                "(--task math, no --reward)",
+            ),
+            *user_reward.checks(cfg.reward, cfg.reward_timeout_s),
+            *lora.flag_checks(cfg.lora),
+            *runtime.run_checks(cfg.run),
+        ]
+    )
+    if (
+        cfg.lora.on
+    ):  # peft must be able to put the adapters on the model: read from its config, no weights load
+        lora.model_checks(
+            cfg.lora,
+            model_path(cfg),
+            cfg.run.trust_remote_code,
+            f"--init-from {cfg.init_from}" if cfg.init_from else f"--model {cfg.run.model}",
+        )
 
 
-def memory_need_gib(cfg: Config, s: memory.Shape, world: int, checkpointing: bool, micro_batch_tokens: int) -> float:
-    """memory.py's estimate of one process's peak on CPU for this run, from the shape in the model's config.json:
-    the trainer (sharded over `world`), its engine, and one micro-batch of the worst case: rows of --max-seq-len."""
+def memory_need_gib(
+    cfg: Config, s: memory.Shape, world: int, checkpointing: bool, micro_batch_tokens: int
+) -> float:
+    """memory.py's estimate of one process's peak on CPU for this run, from the shape in the model's
+    config.json: the trainer (sharded over `world`), its engine, and one micro-batch of the worst
+    case: rows of --max-seq-len."""
     L = cfg.max_seq_len
     seqs = cfg.prompts_per_step // world * cfg.group_size  # this rank's sequences per step
     mb_seqs = cfg.minibatch_size // world if cfg.minibatch_size else seqs
     rows = max(1, min(micro_batch_tokens // L, mb_seqs))
     kv_gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) if cfg.engine == "vllm" else 0.0
-    rows_gib = memory.estimate(s, rows * L, ranks=world, chunk_tokens=cfg.run.logprob_chunk_tokens,
-                               checkpointing=checkpointing, micro_batches=-(-mb_seqs // rows), device="cpu",
-                               kv_cache_gib=kv_gib, lora_rank=cfg.lora.lora_rank, reference=cfg.loss.kl_beta > 0,
-                               seq_len=L)
+    rows_gib = memory.estimate(
+        s,
+        rows * L,
+        ranks=world,
+        chunk_tokens=cfg.run.logprob_chunk_tokens,
+        checkpointing=checkpointing,
+        micro_batches=-(-mb_seqs // rows),
+        device="cpu",
+        kv_cache_gib=kv_gib,
+        lora_rank=cfg.lora.lora_rank,
+        reference=cfg.loss.kl_beta > 0,
+        seq_len=L,
+    )
     if cfg.engine == "hf":  # a float32 copy of the model, and no KV cache reserved
         rows_gib["vLLM's own buffers (CPU)"] = 0.0
     return memory.totals(rows_gib)["process peak (trainer + engine + libraries)"]
 
 
 def check_memory(cfg: Config, world: int) -> None:
-    """CPU only: one line, before any model loads, when memory.py's estimate of a process's peak exceeds its share
-    of /proc/meminfo's MemAvailable (the node's ranks share it), naming flags that would fit. On GPU the engine's
-    share and the trainer's are set by --gpu-memory-utilization and the stage presets (docs/distributed.md)."""
+    """CPU only: one line, before any model loads, when memory.py's estimate of a process's peak
+    exceeds its share of /proc/meminfo's MemAvailable (the node's ranks share it), naming flags that
+    would fit. On GPU the engine's share and the trainer's are set by --gpu-memory-utilization and
+    the stage presets (docs/distributed.md)."""
     if torch.cuda.is_available() or not os.path.exists("/proc/meminfo"):
         return
     with open("/proc/meminfo") as f:
@@ -676,22 +1075,34 @@ def check_memory(cfg: Config, world: int) -> None:
     need = memory_need_gib(cfg, shape, world, ckpt, budget)
     if need <= have:
         return
-    tries = [(c, t) for c in sorted({ckpt, True}) for t in sorted({budget, 8192, 4096, 2048, 1024, 512}, reverse=True)
-             if t <= budget]
-    fits = next(((c, t) for c, t in tries if memory_need_gib(cfg, shape, world, c, t) <= have), None)
+    tries = [
+        (c, t)
+        for c in sorted({ckpt, True})
+        for t in sorted({budget, 8192, 4096, 2048, 1024, 512}, reverse=True)
+        if t <= budget
+    ]
+    fits = next(
+        ((c, t) for c, t in tries if memory_need_gib(cfg, shape, world, c, t) <= have), None
+    )
     if fits is None:
         way = "no --micro-batch-tokens or --activation-checkpointing fits: fewer --prompts-per-step or more ranks"
     else:
-        flags = ["--activation-checkpointing"] * (fits[0] and not ckpt) + [f"--micro-batch-tokens {fits[1]}"] * (
-            fits[1] != budget)
+        flags = ["--activation-checkpointing"] * (fits[0] and not ckpt) + [
+            f"--micro-batch-tokens {fits[1]}"
+        ] * (fits[1] != budget)
         way = f"{' '.join(flags)} would fit ({memory_need_gib(cfg, shape, world, *fits):.1f} GiB)"
-    raise UserError(f"memory: this run needs about {need:.1f} GiB per process (memory.py) and {have:.1f} GiB is "
-                    f"available to each of this machine's {distributed.local_world_size()} processes; {way}; "
-                    "--no-memory-check runs anyway")
+    raise UserError(
+        f"memory: this run needs about {need:.1f} GiB per process (memory.py) and {have:.1f} GiB "
+        "is "
+        f"available to each of this machine's {distributed.local_world_size()} processes; {way}; "
+        "--no-memory-check runs anyway"
+    )
 
 
 def main(argv: list[str]) -> None:
-    one_line_errors(lambda: export_hf(argv, "train.py") if argv[:1] == ["export"] else train(parse_args(argv)))
+    one_line_errors(
+        lambda: export_hf(argv, "train.py") if argv[:1] == ["export"] else train(parse_args(argv))
+    )
 
 
 if __name__ == "__main__":

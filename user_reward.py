@@ -1,31 +1,36 @@
-"""Your own reward without editing the loop: `--reward path/to/file.py:function` in train.py, eval_aime.py and
-tools/experiments.py, where `function(response: str, gold: str)` returns a number (demo/my_reward.py is an example).
+"""Your own reward without editing the loop: `--reward path/to/file.py:function` in train.py,
+eval_aime.py and tools/experiments.py, where `function(response: str, gold: str)` returns a number
+(demo/my_reward.py is an example).
 
 What it does:
-- checks(spec, timeout_s): the flag's one-line errors (no such file, not a .py file, no such function, not callable,
-  not callable as f(response, gold), an import that raises), made before any model loads. Checking imports the
-  file in the calling process once; its top-level code should only define things.
-- load(spec, timeout_s): a Guarded reward, a drop-in for reward.exact_reward / math_reward. Each call runs your
-  function in a worker process of its own (this file, run as `python user_reward.py SPEC`), one call at a time,
-  so that nothing your function does can cost the run:
+- checks(spec, timeout_s): the flag's one-line errors (no such file, not a .py file, no such
+  function, not callable, not callable as f(response, gold), an import that raises), made before any
+  model loads. Checking imports the file in the calling process once; its top-level code should only
+  define things.
+- load(spec, timeout_s): a Guarded reward, a drop-in for reward.exact_reward / math_reward. Each
+  call runs your function in a worker process of its own (this file, run as `python user_reward.py
+  SPEC`), one call at a time, so that nothing your function does can cost the run:
     raises (or its process dies)    -> that sample scores 0, counted as "raised"
-    runs past --reward-timeout-s    -> 0, counted as "timed out"; the worker is killed and a new one started
-    returns a non-number, nan, inf  -> 0, counted as "non-number" (bool, int, float and numpy scalars are numbers)
-  Each kind is counted; a warning line on stderr gives the counts at the 1st, 2nd, 4th, 8th, ... failure of a
-  kind (so that a reward that fails on every sample does not flood the log), and train.py logs the samples that
-  failed in each step as `reward_errors`.
+    runs past --reward-timeout-s    -> 0, counted as "timed out"; the worker is killed and a new
+                                       one started
+    returns a non-number, nan, inf  -> 0, counted as "non-number" (bool, int, float and numpy
+                                       scalars are numbers)
+  Each kind is counted; a warning line on stderr gives the counts at the 1st, 2nd, 4th, 8th, ...
+  failure of a kind (so that a reward that fails on every sample does not flood the log), and
+  train.py logs the samples that failed in each step as `reward_errors`.
 
-Why a process and not a thread or a signal: a thread that hangs cannot be stopped and would keep a core and the
-GIL; signals (math-verify's own time limits, reward.py) work only in a main thread, share the one real-time
-timer with math-verify, and do not stop C code (a regular expression backtracking forever). A killed process
-always stops. The cost is one round trip through a pipe per call (~40 microseconds on a laptop), and one process
-start (Python and your file's imports, which the time limit does not count) at the first call and after each
-timeout or death. A reward that hangs on every call makes every sample cost the time limit (the demo scores 256
-samples a step: ~4 min a step at 1 s); the warnings say so, and a lower --reward-timeout-s bounds it.
+Why a process and not a thread or a signal: a thread that hangs cannot be stopped and would keep a
+core and the GIL; signals (math-verify's own time limits, reward.py) work only in a main thread,
+share the one real-time timer with math-verify, and do not stop C code (a regular expression
+backtracking forever). A killed process always stops. The cost is one round trip through a pipe per
+call (~40 microseconds on a laptop), and one process start (Python and your file's imports, which
+the time limit does not count) at the first call and after each timeout or death. A reward that
+hangs on every call makes every sample cost the time limit (the demo scores 256 samples a step: ~4
+min a step at 1 s); the warnings say so, and a lower --reward-timeout-s bounds it.
 
-What it does not do: sandbox your code (it runs as you, with your files and network), batch calls, or run calls
-in parallel. Your function gets the decoded response (special tokens removed) and the problem's gold answer, as
-the built-in rewards do.
+What it does not do: sandbox your code (it runs as you, with your files and network), batch calls,
+or run calls in parallel. Your function gets the decoded response (special tokens removed) and the
+problem's gold answer, as the built-in rewards do.
 """
 
 import importlib.util
@@ -43,7 +48,8 @@ import time
 from pathlib import Path
 
 KINDS = ("raised", "timed out", "non-number")
-STARTUP_S = 120.0  # a worker's start: Python and your file's imports (math-verify and sympy take seconds), not timed
+# a worker's start: Python and your file's imports (math-verify and sympy take seconds), not timed
+STARTUP_S = 120.0
 #   by --reward-timeout-s; past this the call counts as timed out
 
 
@@ -54,7 +60,8 @@ def parse_spec(spec: str) -> tuple[Path, str]:
 
 
 def import_function(spec: str):
-    """The function `spec` names, imported from its file (a module of its own, named after the file)."""
+    """The function `spec` names, imported from its file (a module of its own, named after the
+    file)."""
     path, name = parse_spec(spec)
     module_spec = importlib.util.spec_from_file_location(f"user_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
@@ -67,13 +74,17 @@ def import_function(spec: str):
 
 
 def checks(spec: str, timeout_s: float, flag: str = "--reward") -> list[tuple[bool, str]]:
-    """The one-line errors of a --reward value, in runtime.check's form; [] when it is usable (or empty)."""
+    """The one-line errors of a --reward value, in runtime.check's form; [] when it is usable (or
+    empty)."""
     if not spec:
         return []
     path, name = parse_spec(spec)
     syntax = [
-        (":" in spec and bool(name) and name.isidentifier(),
-         f"{flag} {spec}: expected path/to/file.py:function (a function name after the last colon)"),
+        (
+            ":" in spec and bool(name) and name.isidentifier(),
+            f"{flag} {spec}: expected path/to/file.py:function (a function name after the last "
+            "colon)",
+        ),
         (path.suffix == ".py", f"{flag} {spec}: {path} is not a .py file"),
         (path.is_file(), f"{flag} {spec}: no such file {path}"),
         (timeout_s > 0, f"--reward-timeout-s {timeout_s}: must be positive"),
@@ -82,7 +93,7 @@ def checks(spec: str, timeout_s: float, flag: str = "--reward") -> list[tuple[bo
         return syntax
     try:
         fn = import_function(spec)
-    except BaseException as e:  # noqa: BLE001 (SystemExit, KeyboardInterrupt from a file's top level too)
+    except BaseException as e:  # SystemExit, KeyboardInterrupt from a file's top level too
         return [(False, f"{flag} {spec}: importing {path} raised {_one_line(e)}")]
     if fn is None:
         return [(False, f"{flag} {spec}: {path} has no function {name}")]
@@ -91,7 +102,13 @@ def checks(spec: str, timeout_s: float, flag: str = "--reward") -> list[tuple[bo
     try:
         inspect.signature(fn).bind("response", "gold")
     except TypeError:
-        return [(False, f"{flag} {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(response, gold)")]
+        return [
+            (
+                False,
+                f"{flag} {spec}: {name}{inspect.signature(fn)} cannot be called as "
+                f"{name}(response, gold)",
+            )
+        ]
     except ValueError:  # a builtin without a signature: let it be
         pass
     return []
@@ -103,8 +120,9 @@ def _one_line(e: BaseException) -> str:
 
 
 class Guarded:
-    """A reward function `(response, gold) -> float` that never raises, never hangs past `timeout_s` and always
-    returns a finite float; `counts` holds its failures of each kind, take_failures() those since the last take."""
+    """A reward function `(response, gold) -> float` that never raises, never hangs past `timeout_s`
+    and always returns a finite float; `counts` holds its failures of each kind, take_failures()
+    those since the last take."""
 
     def __init__(self, spec: str, timeout_s: float = 1.0):
         self.spec, self.timeout_s = spec, timeout_s
@@ -119,7 +137,11 @@ class Guarded:
         except TimeoutError:
             self._stop()
             return self._fail("timed out", f"ran past --reward-timeout-s {self.timeout_s}")
-        except (OSError, EOFError, ValueError) as e:  # the worker died (os._exit, a crash) or broke the protocol
+        except (
+            OSError,
+            EOFError,
+            ValueError,
+        ) as e:  # the worker died (os._exit, a crash) or broke the protocol
             code = self._stop()
             return self._fail("raised", f"lost its process ({_one_line(e)}; exit status {code})")
         if "error" in reply:
@@ -143,7 +165,8 @@ class Guarded:
     def __del__(self):
         try:
             self._stop()
-        except Exception:  # at interpreter exit the modules it needs may be gone; the worker then sees EOF and exits
+        # at interpreter exit the modules it needs may be gone; the worker then sees EOF and exits
+        except Exception:
             pass
 
     # --- the worker
@@ -151,10 +174,16 @@ class Guarded:
     def _ask(self, request: bytes) -> dict:
         if self._proc is None or self._proc.poll() is not None:
             self._stop()
-            self._proc = subprocess.Popen([sys.executable, str(Path(__file__).absolute()), self.spec],
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-                                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-            self._reply(STARTUP_S)  # its "ready" once the file is imported: imports do not count against a call
+            self._proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).absolute()), self.spec],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                bufsize=0,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+            self._reply(
+                STARTUP_S
+            )  # its "ready" once the file is imported: imports do not count against a call
         self._proc.stdin.write(request)
         return self._reply(self.timeout_s)
 
@@ -192,8 +221,12 @@ class Guarded:
         n = self.counts[kind]
         if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... of each kind
             total = ", ".join(f"{v} {k}" for k, v in self.counts.items())
-            print(f"warning: --reward {self.spec} {what}; the sample scores 0 (failures so far: {total})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: --reward {self.spec} {what}; the sample scores 0 (failures so far: "
+                f"{total})",
+                file=sys.stderr,
+                flush=True,
+            )
         return 0.0
 
 
@@ -203,14 +236,18 @@ def load(spec: str, timeout_s: float = 1.0) -> Guarded:
 
 
 def serve(spec: str) -> None:
-    """The worker: one JSON line [response, gold] in, one JSON line out ({"value"}, {"error"} or {"repr"}), until
-    stdin closes. Its stdout is kept for replies, so whatever the function prints goes to stderr."""
+    """The worker: one JSON line [response, gold] in, one JSON line out ({"value"}, {"error"} or
+    {"repr"}), until stdin closes. Its stdout is kept for replies, so whatever the function prints
+    goes to stderr."""
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops the worker itself
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl-C is the trainer's to handle: it stops the worker itself
     parent = os.getppid()
 
-    def orphaned():  # a trainer killed with SIGKILL cannot stop its worker: the worker notices and stops itself
+    # a trainer killed with SIGKILL cannot stop its worker: the worker notices and stops itself
+    def orphaned():
         while os.getppid() == parent:
             time.sleep(1.0)
         os._exit(0)
@@ -229,7 +266,11 @@ def serve(spec: str) -> None:
             try:
                 value = fn(*json.loads(line))
                 if isinstance(value, numbers.Real):
-                    reply = {"value": float(value)} if math.isfinite(float(value)) else {"repr": repr(value)[:80]}
+                    reply = (
+                        {"value": float(value)}
+                        if math.isfinite(float(value))
+                        else {"repr": repr(value)[:80]}
+                    )
                 else:
                     reply = {"repr": f"a {type(value).__name__} ({repr(value)[:60]})"}
             except BaseException as e:  # noqa: BLE001 SystemExit and KeyboardInterrupt included

@@ -1,26 +1,30 @@
-"""The demos' built-in tasks: the sum of three digits (the CPU demo, train.py and dpo.py with no data flags) and
-the chain sums (the math recipe in miniature, `make recipe`), each with the corpus its built-in base model is
-pretrained on (demo/bases.py).
+"""The demos' built-in tasks: the sum of three digits (the CPU demo, train.py and dpo.py with no
+data flags) and the chain sums (the math recipe in miniature, `make recipe`), each with the corpus
+its built-in base model is pretrained on (demo/bases.py).
 
 What it does:
-- sum3_split: the demo's 1,000 prompts "a+b+c=" (digits; "3+9+4=" -> "16"), split once into RL-training and held-out
-  prompts; noisy_corpus: the corpus from which the `tiny` base learns the task, with careless answers in it.
-- the chain sums (below): sums_split, the recipe's problems; `python demo/tasks.py sums DIR` writes them as
-  DIR/train.jsonl and DIR/heldout.jsonl (the files train.py --task math and eval_aime.py read); sums_corpus, the
-  pretraining corpus of the `tiny-math` base, and the tokenizer's scaffolding (sums_scaffold_texts,
-  SUMS_ADDED_TOKENS).
-- two-digit additions for the real model (`--model smollm2`, `make smollm2`): add_split, "What is 84 + 50?" ->
-  "134"; `python demo/tasks.py add DIR` writes them the same way. SmolLM2-135M-Instruct answers a few of them right
-  and seldom in \boxed{} (docs/smollm2.md): a task on which GRPO visibly learns in minutes on a CPU.
+- sum3_split: the demo's 1,000 prompts "a+b+c=" (digits; "3+9+4=" -> "16"), split once into
+  RL-training and held-out prompts; noisy_corpus: the corpus from which the `tiny` base learns the
+  task, with careless answers in it.
+- the chain sums (below): sums_split, the recipe's problems; `python demo/tasks.py sums DIR` writes
+  them as DIR/train.jsonl and DIR/heldout.jsonl (the files train.py --task math and eval_aime.py
+  read); sums_corpus, the pretraining corpus of the `tiny-math` base, and the tokenizer's
+  scaffolding (sums_scaffold_texts, SUMS_ADDED_TOKENS).
+- two-digit additions for the real model (`--model smollm2`, `make smollm2`): add_split, "What is 84
+  + 50?" -> "134"; `python demo/tasks.py add DIR` writes them the same way. SmolLM2-135M-Instruct
+  answers a few of them right and seldom in \boxed{} (docs/smollm2.md): a task on which GRPO visibly
+  learns in minutes on a CPU.
 
-What it does not do: anything a run on real data needs (data.py), score (reward.py), or build the bases (demo/bases.py).
+What it does not do: anything a run on real data needs (data.py), score (reward.py), or build the
+bases (demo/bases.py).
 
-Why the sum3 task: from random initialization GRPO can barely learn arithmetic on a 2-layer model, and real RL
-starts from a pretrained base that already "knows" the answer with some probability. So the tiny base is pretrained
-on a corpus where only `1 - noise` of the answers are right and the rest are careless: it learns the function, but
-samples the right answer only about a third of the time. GRPO then has to sharpen it, the same shape as RL on a
-real reasoning model. The held-out prompts appear neither in the pretraining corpus nor in RL training, so held-out
-accuracy measures a learned skill, not memorized answers.
+Why the sum3 task: from random initialization GRPO can barely learn arithmetic on a 2-layer model,
+and real RL starts from a pretrained base that already "knows" the answer with some probability. So
+the tiny base is pretrained on a corpus where only `1 - noise` of the answers are right and the rest
+are careless: it learns the function, but samples the right answer only about a third of the time.
+GRPO then has to sharpen it, the same shape as RL on a real reasoning model. The held-out prompts
+appear neither in the pretraining corpus nor in RL training, so held-out accuracy measures a learned
+skill, not memorized answers.
 """
 
 import json
@@ -28,28 +32,36 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the core is one folder up
+# run as a script: the core is one folder up
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checks import check, one_line_errors
 from data import INSTRUCTION, Problem, math_prompt
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # The sum of three digits: the CPU demo's task
 
 
 def sum3_split(n_heldout: int = 200, seed: int = 1234) -> tuple[list[Problem], list[Problem]]:
     """All 1000 prompts "a+b+c=" (digits a, b, c), shuffled with a fixed seed: (train, held-out)."""
-    problems = [Problem(f"{a}+{b}+{c}=", str(a + b + c)) for a in range(10) for b in range(10) for c in range(10)]
+    problems = [
+        Problem(f"{a}+{b}+{c}=", str(a + b + c))
+        for a in range(10)
+        for b in range(10)
+        for c in range(10)
+    ]
     random.Random(seed).shuffle(problems)
     return problems[n_heldout:], problems[:n_heldout]
 
 
 def noisy_corpus(problems: list[Problem], n: int, noise: float, seed: int = 0) -> list[str]:
-    """n lines "prompt + answer" for pretraining, where a fraction `noise` of the answers is a careless sum a+b.
+    """n lines "prompt + answer" for pretraining, where a fraction `noise` of the answers is a
+    careless sum a+b.
 
-    The careless answer drops the last digit: a learnable, consistent mistake, like a wrong method a real base
-    model picked up from its corpus. The base model thus knows both answers and samples the right one with
-    probability about 1 - noise (plus the prompts with c = 0, where both agree); RL must learn to prefer it.
+    The careless answer drops the last digit: a learnable, consistent mistake, like a wrong method a
+    real base model picked up from its corpus. The base model thus knows both answers and samples
+    the right one with probability about 1 - noise (plus the prompts with c = 0, where both agree);
+    RL must learn to prefer it.
     """
     rng = random.Random(seed)
     lines = []
@@ -61,22 +73,26 @@ def noisy_corpus(problems: list[Problem], n: int, noise: float, seed: int = 0) -
     return lines
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Chain sums: the miniature math recipe's task
 #
-# A problem is a sum of 2 to 6 distinct digits ("3+9+4+7"), answered R1-style: reasoning inside <think> ... </think>,
-# then the answer in \boxed{}. Two ways to answer, both in the base model's pretraining corpus:
+# A problem is a sum of 2 to 6 distinct digits ("3+9+4+7"), answered R1-style: reasoning inside
+# <think> ... </think>, then the answer in \boxed{}. Two ways to answer, both in the base model's
+# pretraining corpus:
 #   chain:  <think>3+9=12,9+4=16,4+7=23</think>\boxed{23}   always right; 7 tokens per added digit
-#   direct: <think></think>\boxed{23}                        right only 1.0/0.6/0.1/0.1/0.1 of the time for N = 2..6
-# So writing the reasoning out is what makes long problems solvable, and it costs length: under a short response
-# cap a chain for a long problem is cut off (reward 0), and only a longer cap lets GRPO find that chains pay. This
-# is the interaction of reward, response length and context length that DeepScaleR's 8K -> 16K -> 24K stages rely
-# on. Each chain step restates the digit it last added and sums are zero-padded, so every step has the same shape
-# and the next digit is found by looking up the one just restated (what a 2-layer model can learn: chains written
-# as running sums alone, "3+9=12+4=16", were mostly wrong for N >= 4 when this task was designed).
+#   direct: <think></think>\boxed{23}                        right 1.0/0.6/0.1/0.1/0.1 of the time
+#                                                            for N = 2..6
+# So writing the reasoning out is what makes long problems solvable, and it costs length: under a
+# short response cap a chain for a long problem is cut off (reward 0), and only a longer cap lets
+# GRPO find that chains pay. This is the interaction of reward, response length and context length
+# that DeepScaleR's 8K -> 16K -> 24K stages rely on. Each chain step restates the digit it last
+# added and sums are zero-padded, so every step has the same shape and the next digit is found by
+# looking up the one just restated (what a 2-layer model can learn: chains written as running sums
+# alone, "3+9=12+4=16", were mostly wrong for N >= 4 when this task was designed).
 
 SUMS_N = (2, 3, 4, 5, 6)  # digits per problem
-SUMS_DIRECT_RIGHT = {2: 1.0, 3: 0.6, 4: 0.1, 5: 0.1, 6: 0.1}  # how often the corpus's direct answers are right
+# how often the corpus's direct answers are right
+SUMS_DIRECT_RIGHT = {2: 1.0, 3: 0.6, 4: 0.1, 5: 0.1, 6: 0.1}
 
 
 def sums_problem(digits: tuple[int, ...]) -> Problem:
@@ -84,7 +100,8 @@ def sums_problem(digits: tuple[int, ...]) -> Problem:
 
 
 def sums_chain(digits: tuple[int, ...]) -> str:
-    """The worked answer: each step 'previous digit + next digit = running sum' (two digits, zero-padded)."""
+    """The worked answer: each step 'previous digit + next digit = running sum' (two digits,
+    zero-padded)."""
     steps, total = [], digits[0]
     for prev, d in zip(digits, digits[1:]):
         total += d
@@ -103,8 +120,9 @@ def _random_sum(rng: random.Random, n: int) -> tuple[int, ...]:
 def sums_split(n_heldout_per_n: int = 40, n_train: int = 4000, seed: int = 4321):
     """(RL-training problems, held-out problems, the held-out digit tuples), fixed by the seed.
 
-    The held-out problems (n_heldout_per_n for each N) appear neither in the RL training file nor in the base
-    model's pretraining corpus (sums_corpus skips them), so held-out pass@1 measures a skill, not recall.
+    The held-out problems (n_heldout_per_n for each N) appear neither in the RL training file nor in
+    the base model's pretraining corpus (sums_corpus skips them), so held-out pass@1 measures a
+    skill, not recall.
     """
     rng = random.Random(seed)
     heldout: list[tuple[int, ...]] = []
@@ -123,16 +141,18 @@ def sums_split(n_heldout_per_n: int = 40, n_train: int = 4000, seed: int = 4321)
 
 
 def sums_corpus(tok, n: int, chain_frac: float = 0.3, seed: int = 0):
-    """Pretraining examples (token ids, loss mask) for the tiny-math base, in two pools drawn half and half:
+    """Pretraining examples (token ids, loss mask) for the tiny-math base, in two pools drawn half
+    and half:
 
-    - the corpus proper: a fraction chain_frac of the answers are chains (always right), the rest direct answers
-      (right with SUMS_DIRECT_RIGHT[N], else off by 1-5): the base thus starts a chain about chain_frac of the
-      time and answers long problems directly, and badly, the rest of the time, like a base model that can reason
-      step by step but seldom does;
-    - chain practice: chains whose first decisive token (where a chain and a direct answer part) carries no loss,
-      so the base learns to carry a chain through without being pushed into starting one more often.
-    Prompts go through math_prompt (the chat template), responses end in EOS; the loss is on the response only.
-    Held-out problems (sums_split) are never drawn.
+    - the corpus proper: a fraction chain_frac of the answers are chains (always right), the rest
+      direct answers (right with SUMS_DIRECT_RIGHT[N], else off by 1-5): the base thus starts a
+      chain about chain_frac of the time and answers long problems directly, and badly, the rest of
+      the time, like a base model that can reason step by step but seldom does;
+    - chain practice: chains whose first decisive token (where a chain and a direct answer part)
+      carries no loss, so the base learns to carry a chain through without being pushed into
+      starting one more often.
+    Prompts go through math_prompt (the chat template), responses end in EOS; the loss is on the
+    response only. Held-out problems (sums_split) are never drawn.
     """
     rng = random.Random(seed)
     held = sums_split()[2]
@@ -146,7 +166,8 @@ def sums_corpus(tok, n: int, chain_frac: float = 0.3, seed: int = 0):
         chain = tok(sums_chain(digits), add_special_tokens=False)["input_ids"] + eos
         if len(practice) < n:
             direct = tok(sums_direct(sum(digits)), add_special_tokens=False)["input_ids"]
-            split = next(i for i, (a, b) in enumerate(zip(chain, direct)) if a != b)  # the decisive token
+            # the decisive token
+            split = next(i for i, (a, b) in enumerate(zip(chain, direct)) if a != b)
             mask = [0] * len(prompt) + [int(i != split) for i in range(len(chain))]
             practice.append((prompt + chain, mask))
         if len(proper) < n:
@@ -154,40 +175,48 @@ def sums_corpus(tok, n: int, chain_frac: float = 0.3, seed: int = 0):
                 resp = chain
             else:
                 right = rng.random() < SUMS_DIRECT_RIGHT[len(digits)]
-                answer = sum(digits) + (0 if right else rng.choice([-5, -4, -3, -2, -1, 1, 2, 3, 4, 5]))
+                answer = sum(digits) + (
+                    0 if right else rng.choice([-5, -4, -3, -2, -1, 1, 2, 3, 4, 5])
+                )
                 resp = tok(sums_direct(answer), add_special_tokens=False)["input_ids"] + eos
             proper.append((prompt + resp, [0] * len(prompt) + [1] * len(resp)))
     return [proper, practice]
 
 
 def sums_scaffold_texts() -> list[str]:
-    """Texts the tiny-math tokenizer learns its merges from: the answer scaffolding (no digits, so every digit stays
-    a token of its own, as in Qwen2's tokenizer)."""
+    """Texts the tiny-math tokenizer learns its merges from: the answer scaffolding (no digits, so
+    every digit stays a token of its own, as in Qwen2's tokenizer)."""
     return ["\\boxed{}"] * 20
 
 
-SUMS_ADDED_TOKENS = ["<|user|>", "<|assistant|>", "<think>", "</think>", INSTRUCTION]  # whole-string tokens
+# whole-string tokens
+SUMS_ADDED_TOKENS = ["<|user|>", "<|assistant|>", "<think>", "</think>", INSTRUCTION]
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Two-digit additions: the real model's task
 
 
 def add_split(n_heldout: int = 200, seed: int = 2024) -> tuple[list[Problem], list[Problem]]:
-    """All 8,100 problems "What is a + b?" (a, b in 10..99), shuffled with a fixed seed: (train, held-out)."""
-    problems = [Problem(f"What is {a} + {b}?", str(a + b)) for a in range(10, 100) for b in range(10, 100)]
+    """All 8,100 problems "What is a + b?" (a, b in 10..99), shuffled with a fixed seed: (train,
+    held-out)."""
+    problems = [
+        Problem(f"What is {a} + {b}?", str(a + b)) for a in range(10, 100) for b in range(10, 100)
+    ]
     random.Random(seed).shuffle(problems)
     return problems[n_heldout:], problems[:n_heldout]
 
 
 def write_problems(folder: str, train: list[Problem], heldout: list[Problem], what: str) -> None:
-    """DIR/train.jsonl (RL training problems) and DIR/heldout.jsonl (held-out problems), fields problem / answer;
-    written aside and renamed, so a file is whole or absent."""
+    """DIR/train.jsonl (RL training problems) and DIR/heldout.jsonl (held-out problems), fields
+    problem / answer; written aside and renamed, so a file is whole or absent."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     for name, problems in (("train.jsonl", train), ("heldout.jsonl", heldout)):
         tmp = out / (name + ".tmp")
-        tmp.write_text("".join(json.dumps({"problem": p.prompt, "answer": p.answer}) + "\n" for p in problems))
+        tmp.write_text(
+            "".join(json.dumps({"problem": p.prompt, "answer": p.answer}) + "\n" for p in problems)
+        )
         tmp.replace(out / name)
     print(f"wrote {len(train)} training and {len(heldout)} held-out {what} problems to {out}")
 
@@ -196,8 +225,15 @@ TASKS = {"sums": (lambda: sums_split()[:2], "chain-sum"), "add": (add_split, "tw
 
 
 def main(argv: list[str]) -> None:
-    check([(len(argv) == 2 and argv[0] in TASKS,
-            "usage: python demo/tasks.py sums|add DIR   (writes DIR/train.jsonl and DIR/heldout.jsonl)")])
+    check(
+        [
+            (
+                len(argv) == 2 and argv[0] in TASKS,
+                "usage: python demo/tasks.py sums|add DIR   (writes DIR/train.jsonl and "
+                "DIR/heldout.jsonl)",
+            )
+        ]
+    )
     split, what = TASKS[argv[0]]
     write_problems(argv[1], *split(), what)
 

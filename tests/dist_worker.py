@@ -1,17 +1,19 @@
-"""Run under torchrun by tests/test_distributed.py: one job per invocation, results written as files.
+"""Run under torchrun by tests/test_distributed.py: one job per invocation, results written as
+files.
 
-  update OUT MICRO_TOKENS MINIBATCHES LR OPT [PG [LORA_RANK [MODEL]]]   one GRPO update (OPT adamw or sgd; PG ppo,
-                            gspo or cispo; LoRA adapters of that rank, the KL reference then the base with adapters
-                            off) on a fixed global batch, in float64; rank 0 saves the weights. MODEL: a built-in
-                            base (default the tiny one); `smollm2` gets a smaller batch and no KL term (no reference
-                            copy), which keeps its float64 ranks within a few GiB
-  refit  OUT TP             shard, change the weights, refit each rank's vLLM engine (TP-sharded when TP > 1),
-                            compare its logprobs with the trainer's; record the held-out evaluation's samples of
-                            four copies of one prompt, split over the engines
-  policy OUT                the process set-up and precision policy at --dtype bfloat16: threads per rank, the
-                            parameters after a no-grad forward, an HF export's dtypes
-  die    OUT                rank 1 dies after a barrier; rank 0 waits in a collective
-  hang   OUT                rank 1 hangs (sleeps) after a barrier; rank 0's collective must time out
+update OUT MICRO_TOKENS MINIBATCHES LR OPT [PG [LORA_RANK [MODEL]]]
+                   one GRPO update (OPT adamw or sgd; PG ppo, gspo or cispo; LoRA adapters of that
+                   rank, the KL reference then the base with adapters off) on a fixed global batch,
+                   in float64; rank 0 saves the weights. MODEL: a built-in base (default the tiny
+                   one); `smollm2` gets a smaller batch and no KL term (no reference copy), which
+                   keeps its float64 ranks within a few GiB
+refit  OUT TP      shard, change the weights, refit each rank's vLLM engine (TP-sharded when
+                   TP > 1), compare its logprobs with the trainer's; record the held-out
+                   evaluation's samples of four copies of one prompt, split over the engines
+policy OUT         the process set-up and precision policy at --dtype bfloat16: threads per rank,
+                   the parameters after a no-grad forward, an HF export's dtypes
+die    OUT         rank 1 dies after a barrier; rank 0 waits in a collective
+hang   OUT         rank 1 hangs (sleeps) after a barrier; rank 0's collective must time out
 """
 
 import json
@@ -30,7 +32,6 @@ import checkpoint  # noqa: E402
 import distributed  # noqa: E402
 import eval_aime  # noqa: E402
 import grpo  # noqa: E402
-import lora  # noqa: E402
 import model  # noqa: E402
 import rollout  # noqa: E402
 import runtime  # noqa: E402
@@ -41,7 +42,8 @@ from test_rollout import perturbed  # noqa: E402
 
 
 def fixed_global_batch(tok, P=8, G=4, seed=0):
-    """The same global batch on every rank and world size: P prompts x G random responses with random rewards."""
+    """The same global batch on every rank and world size: P prompts x G random responses with
+    random rewards."""
     g = torch.Generator().manual_seed(seed)
     train_set, _ = tasks.sum3_split()
     prompts = [tok(p.prompt)["input_ids"] for p in train_set[:P]]
@@ -55,39 +57,81 @@ def fixed_global_batch(tok, P=8, G=4, seed=0):
     return prompts, samples, rewards
 
 
-def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: str, pg: str = "ppo",
-           lora_rank: int = 0, base: str = bases.TINY):
+def update(
+    out: Path,
+    micro_tokens: int,
+    minibatches: int,
+    lr: float,
+    opt_name: str,
+    pg: str = "ppo",
+    lora_rank: int = 0,
+    base: str = bases.TINY,
+):
     rank, world = distributed.init(120)
     path = model.resolve(base)
     tok = model.load_tokenizer(path)
     small = base == bases.SMOLLM2
     prompts, samples, rewards = fixed_global_batch(tok, *((4, 2) if small else ()))
     P, G = rewards.shape
-    cfg = config(train.Config, prompts_per_step=P, group_size=G, minibatch_size=P * G // minibatches,
-                 micro_batch_tokens=micro_tokens, lr=lr, eps_high=0.28, kl_beta=0.0 if small else 0.01,
-                 grad_clip=1.0 if opt_name == "adamw" else 1e9,  # SGD unclipped: dw = -lr * the gradient itself
-                 pg=pg, token_level=pg != "gspo", lora_rank=lora_rank)  # GSPO is sequence-level
-    share = range(rank * P // world, (rank + 1) * P // world)  # a prompt's G samples stay on one rank
-    my_samples = [rollout.Sample(i - share.start, s.token_ids, s.logprobs, s.truncated)
-                  for s in samples for i in [s.prompt_idx] if i in share]
+    cfg = config(
+        train.Config,
+        prompts_per_step=P,
+        group_size=G,
+        minibatch_size=P * G // minibatches,
+        micro_batch_tokens=micro_tokens,
+        lr=lr,
+        eps_high=0.28,
+        kl_beta=0.0 if small else 0.01,
+        grad_clip=1.0
+        if opt_name == "adamw"
+        else 1e9,  # SGD unclipped: dw = -lr * the gradient itself
+        pg=pg,
+        token_level=pg != "gspo",
+        lora_rank=lora_rank,
+    )  # GSPO is sequence-level
+    share = range(
+        rank * P // world, (rank + 1) * P // world
+    )  # a prompt's G samples stay on one rank
+    my_samples = [
+        rollout.Sample(i - share.start, s.token_ids, s.logprobs, s.truncated)
+        for s in samples
+        for i in [s.prompt_idx]
+        if i in share
+    ]
     adv = grpo.group_advantages(rewards[list(share)])
-    b = train.make_batch([prompts[i] for i in share], my_samples, adv.flatten(), False, tok.pad_token_id)
-    b = replace(b, gen_logp=b.gen_logp.double(), advantages=b.advantages.double())  # float64 end to end
+    b = train.make_batch(
+        [prompts[i] for i in share], my_samples, adv.flatten(), False, tok.pad_token_id
+    )
+    b = replace(
+        b, gen_logp=b.gen_logp.double(), advantages=b.advantages.double()
+    )  # float64 end to end
     torch.manual_seed(0)  # LoRA's A matrices: the same on every rank and at every world size
     cpu, f64 = torch.device("cpu"), torch.float64
-    policy = model.load_trainable(path, cpu, checkpointing=micro_tokens < 100, dtype=f64, adapters=cfg.lora)
-    if lora_rank:  # B = 0 would make the first step's gradient of A zero: start from adapters that do something
+    policy = model.load_trainable(
+        path, cpu, checkpointing=micro_tokens < 100, dtype=f64, adapters=cfg.lora
+    )
+    # B = 0 would make the first step's gradient of A zero: start from adapters that do something
+    if lora_rank:
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for n, p in policy.named_parameters():
                 if ".lora_B." in n:
-                    full = torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05  # p.shape: the full shape
+                    full = (
+                        torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05
+                    )  # p.shape: the full shape
                     (p.to_local() if isinstance(p, DTensor) else p).copy_(distribute_like(p, full))
         start = distributed.full_state_dict(policy.lm)  # a collective; {} but on rank 0
         if distributed.is_main():
             torch.save({k: v.clone() for k, v in start.items() if ".lora_" in k}, f"{out}.start")
-    ref = None if not cfg.loss.kl_beta else policy if lora_rank else \
-        model.load_trainable(path, cpu, checkpointing=False, dtype=f64).eval().requires_grad_(False)
+    ref = (
+        None
+        if not cfg.loss.kl_beta
+        else policy
+        if lora_rank
+        else model.load_trainable(path, cpu, checkpointing=False, dtype=f64)
+        .eval()
+        .requires_grad_(False)
+    )
     trainable = [p for p in policy.parameters() if p.requires_grad]
     if opt_name == "adamw":
         opt = torch.optim.AdamW(trainable, lr=cfg.run.lr, weight_decay=cfg.run.weight_decay)
@@ -99,7 +143,9 @@ def update(out: Path, micro_tokens: int, minibatches: int, lr: float, opt_name: 
     state = distributed.full_state_dict(policy.lm)
     if distributed.is_main():
         torch.save({k: v.clone() for k, v in state.items()}, out)
-    if lora_rank:  # the refit's merged weights, merged on the shards and cast before the gather (a collective)
+    if (
+        lora_rank
+    ):  # the refit's merged weights, merged on the shards and cast before the gather (a collective)
         merged = {n: t.cpu() for n, t in model.hf_weights(policy.lm, torch.float32)}
         if distributed.is_main():
             torch.save(merged, f"{out}.merged")
@@ -119,8 +165,14 @@ def refit(out: Path, tp: int):
     rank, world = distributed.init(120)
     path = model.resolve(bases.TINY)
     tok = model.load_tokenizer(path)
-    engine = rollout.VLLMEngine(path, max_model_len=64, seed=rank // tp, dtype="float32", external_launcher=True,
-                                tensor_parallel_size=tp)
+    engine = rollout.VLLMEngine(
+        path,
+        max_model_len=64,
+        seed=rank // tp,
+        dtype="float32",
+        external_launcher=True,
+        tensor_parallel_size=tp,
+    )
     lm = perturbed(path, seed=0)
     policy = distributed.shard(model.LogprobModel(lm), lm, checkpointing=False)
     t = time.time()
@@ -132,20 +184,44 @@ def refit(out: Path, tp: int):
     samples = engine.generate(prompts, n=4, max_tokens=8, seed=group)
     b = train.make_batch(prompts, samples, torch.zeros(len(samples)), False, tok.pad_token_id)
     with torch.no_grad():
-        lp, _ = model.token_logprobs(policy, b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1])
+        lp, _ = model.token_logprobs(
+            policy, b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1]
+        )
     diff = float(((lp - b.gen_logp).abs() * b.resp_mask).sum() / b.resp_mask.sum())
-    seen = []  # (gold, response) in the order the evaluation scores them: k samples of each prompt, then greedy
-    eval_aime.heldout_accuracy(engine, tok, [prompts[0]] * 4, ["0", "1", "2", "3"],
-                               lambda text, gold: seen.append((gold, text)) or 0.0, k=2, max_tokens=16,
-                               temperature=2.0, seed=5, tp=tp)
-    Path(f"{out}.rank{rank}").write_text(json.dumps({"rank": rank, "world": world, "diff": diff, "refit_s": refit_s,
-                                                     "heldout_samples": seen[: 2 * (len(seen) // 3)]}))
+    # (gold, response) in the order the evaluation scores them: k samples of each prompt, then
+    # greedy
+    seen = []
+    eval_aime.heldout_accuracy(
+        engine,
+        tok,
+        [prompts[0]] * 4,
+        ["0", "1", "2", "3"],
+        lambda text, gold: seen.append((gold, text)) or 0.0,
+        k=2,
+        max_tokens=16,
+        temperature=2.0,
+        seed=5,
+        tp=tp,
+    )
+    Path(f"{out}.rank{rank}").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "world": world,
+                "diff": diff,
+                "refit_s": refit_s,
+                "heldout_samples": seen[: 2 * (len(seen) // 3)],
+            }
+        )
+    )
     distributed.close(engine)
 
 
 def policy(out: Path):
     rank, world = distributed.init(120)
-    cfg = config(train.Config, dtype="bfloat16")  # threads 0: the node's cores shared among its ranks
+    cfg = config(
+        train.Config, dtype="bfloat16"
+    )  # threads 0: the node's cores shared among its ranks
     device, bf16 = runtime.setup_process(cfg.run)
     path = model.resolve(bases.TINY)
     tok = model.load_tokenizer(path)
@@ -156,13 +232,23 @@ def policy(out: Path):
     params = {n: (isinstance(p, DTensor), str(p.dtype)) for n, p in pol.named_parameters()}
     state = distributed.full_state_dict(pol.lm)
     checkpoint.save_hf(pol.lm, tok, out / "export")
-    Path(f"{out}.rank{rank}").write_text(json.dumps({"threads": torch.get_num_threads(), "bf16": bf16,
-                                                     "params": params, "full_state_dict": len(state)}))
+    Path(f"{out}.rank{rank}").write_text(
+        json.dumps(
+            {
+                "threads": torch.get_num_threads(),
+                "bf16": bf16,
+                "params": params,
+                "full_state_dict": len(state),
+            }
+        )
+    )
     distributed.close()
 
 
 def die(out: Path):
-    rank, _ = distributed.init(600)  # a long timeout: the test shows torchrun, not the timeout, ends the survivor
+    rank, _ = distributed.init(
+        600
+    )  # a long timeout: the test shows torchrun, not the timeout, ends the survivor
     torch.distributed.barrier()
     if rank == 1:
         os._exit(3)
@@ -181,6 +267,19 @@ def hang(out: Path):
 
 if __name__ == "__main__":
     job, out = sys.argv[1], Path(sys.argv[2])
-    {"update": lambda: update(out, int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6],
-                              *sys.argv[7:8], *map(int, sys.argv[8:9]), *sys.argv[9:10]), "refit": lambda: refit(out, int(sys.argv[3])), "die": lambda: die(out), "policy": lambda: policy(out),
-     "hang": lambda: hang(out)}[job]()
+    {
+        "update": lambda: update(
+            out,
+            int(sys.argv[3]),
+            int(sys.argv[4]),
+            float(sys.argv[5]),
+            sys.argv[6],
+            *sys.argv[7:8],
+            *map(int, sys.argv[8:9]),
+            *sys.argv[9:10],
+        ),
+        "refit": lambda: refit(out, int(sys.argv[3])),
+        "die": lambda: die(out),
+        "policy": lambda: policy(out),
+        "hang": lambda: hang(out),
+    }[job]()

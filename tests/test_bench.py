@@ -1,4 +1,5 @@
-"""tools/bench.py runs end to end: its processes run side by side taking turns, and a ring never hangs on one that ends."""
+"""tools/bench.py runs end to end: its processes run side by side taking turns, and a ring never
+hangs on one that ends."""
 
 import json
 import subprocess
@@ -9,15 +10,38 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_runs_configurations_side_by_side(tmp_path, tiny_path):
-    # ours and TRL's in one ring. Where TRL is not installed (the tests' requirements) its process ends at once
-    # with a note, and the ring must go on without it instead of waiting forever for its turn to end.
-    r = subprocess.run([sys.executable, str(ROOT / "tools/bench.py"), "--models", "tiny", "--engines", "hf", "trl",
-                        "--steps", "3", "--prompts", "4", "--new-tokens", "8", "--out", str(tmp_path)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    # ours and TRL's in one ring. Where TRL is not installed (the tests' requirements) its process
+    # ends at once with a note, and the ring must go on without it instead of waiting forever for
+    # its turn to end.
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools/bench.py"),
+            "--models",
+            "tiny",
+            "--engines",
+            "hf",
+            "trl",
+            "--steps",
+            "3",
+            "--prompts",
+            "4",
+            "--new-tokens",
+            "8",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
     ours, trl = results["tiny/hf"], results["tiny/trl"]
-    assert len(ours["steps"]) == 2 and ours["generate"] < ours["step"]  # 3 steps, the first left out
+    assert (
+        len(ours["steps"]) == 2 and ours["generate"] < ours["step"]
+    )  # 3 steps, the first left out
     assert "TRL not installed" in trl.get("error", "") or len(trl["steps"]) == 2
     table = (tmp_path / "table.md").read_text()
     assert "| tiny | hf |" in table and "| tiny | trl |" in table

@@ -1,5 +1,6 @@
-"""Runs that survive a crash: SIGKILL mid-step, resume, identical metrics and weights; partial checkpoints are
-never picked up; a saved step exports to an HF folder that transformers and vLLM load; the curves PNG."""
+"""Runs that survive a crash: SIGKILL mid-step, resume, identical metrics and weights; partial
+checkpoints are never picked up; a saved step exports to an HF folder that transformers and vLLM
+load; the curves PNG."""
 
 import json
 import os
@@ -18,16 +19,33 @@ import data
 import model
 
 ROOT = Path(__file__).resolve().parents[1]
-# a warm-up longer than the kill point: the resumed run must restore the LR schedule's position exactly
-FLAGS = ["--steps", "6", "--checkpoint-every", "2", "--eval-every", "3", "--prompts-per-step", "16", "--warmup-steps",
-         "5", "--quiet"]
+# a warm-up longer than the kill point: the resumed run must restore the LR schedule's position
+# exactly
+FLAGS = [
+    "--steps",
+    "6",
+    "--checkpoint-every",
+    "2",
+    "--eval-every",
+    "3",
+    "--prompts-per-step",
+    "16",
+    "--warmup-steps",
+    "5",
+    "--quiet",
+]
 TIMING = ("time_", "elapsed", "tokens_per_s", "peak_mem")
 
 
 def run(out: Path, *extra) -> subprocess.Popen:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *FLAGS, "--out-dir", str(out), *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *FLAGS, "--out-dir", str(out), *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def rows_without_timing(out: Path) -> list[dict]:
@@ -63,9 +81,15 @@ def test_killed_then_resumed_run_equals_uninterrupted_run(uninterrupted, tmp_pat
     assert p.returncode == 0, log[-3000:]
     assert "resumed from" in log and "step_000004" in log
     assert rows_without_timing(out) == rows_without_timing(uninterrupted)
-    a, b = load_file(out / "final" / "model.safetensors"), load_file(uninterrupted / "final" / "model.safetensors")
+    a, b = (
+        load_file(out / "final" / "model.safetensors"),
+        load_file(uninterrupted / "final" / "model.safetensors"),
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000004", "step_000006"]  # keep 2
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_000004",
+        "step_000006",
+    ]  # keep 2
 
 
 def test_partial_and_damaged_checkpoints_are_told_apart(uninterrupted, tmp_path):
@@ -73,11 +97,15 @@ def test_partial_and_damaged_checkpoints_are_told_apart(uninterrupted, tmp_path)
 
     good = uninterrupted / "checkpoints" / "step_000006"
     assert checkpoint.problem(good) is None
-    (tmp_path / ".tmp-step_000008").mkdir()  # a save that was killed before its rename is never listed
+    (
+        tmp_path / ".tmp-step_000008"
+    ).mkdir()  # a save that was killed before its rename is never listed
     assert checkpoint.saved(tmp_path) == [] and checkpoint.saved(tmp_path / "nothing-here") == []
     damage = {
         "no meta.json": lambda c: (c / "meta.json").unlink(),
-        "meta.json is not valid JSON": lambda c: (c / "meta.json").write_text((c / "meta.json").read_text()[:20]),
+        "meta.json is not valid JSON": lambda c: (c / "meta.json").write_text(
+            (c / "meta.json").read_text()[:20]
+        ),
         "no .metadata": lambda c: (c / ".metadata").unlink(),
         "no rank0.pt": lambda c: (c / "rank0.pt").unlink(),
     }
@@ -100,10 +128,16 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes(uninter
     p = run(out)
     log = p.communicate(timeout=300)[0]
     assert p.returncode == 0, log[-3000:]
-    assert f"checkpoint {meta.parent} is damaged (meta.json is not valid JSON: cut short?): skipped" in log
+    assert (
+        f"checkpoint {meta.parent} is damaged (meta.json is not valid JSON: cut short?): skipped"
+        in log
+    )
     assert "resumed from" in log and "step_000004 at step 4" in log and "Traceback" not in log
     assert rows_without_timing(out) == rows_without_timing(uninterrupted)
-    a, b = load_file(out / "final" / "model.safetensors"), load_file(uninterrupted / "final" / "model.safetensors")
+    a, b = (
+        load_file(out / "final" / "model.safetensors"),
+        load_file(uninterrupted / "final" / "model.safetensors"),
+    )
     assert all(torch.equal(a[k], b[k]) for k in b)
     # with every checkpoint unreadable the run says so and starts over as its flags say
     for c in (out / "checkpoints").iterdir():
@@ -115,14 +149,28 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes(uninter
     assert [r["step"] for r in rows_without_timing(out)] == [0, 1]
 
 
-def test_export_of_a_saved_step_loads_in_transformers_and_vllm(uninterrupted, tmp_path, tiny_path, tok):
+def test_export_of_a_saved_step_loads_in_transformers_and_vllm(
+    uninterrupted, tmp_path, tiny_path, tok
+):
     out = tmp_path / "exported"
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "export",
-                        str(uninterrupted / "checkpoints" / "step_000006"), str(out)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "export",
+            str(uninterrupted / "checkpoints" / "step_000006"),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     # the exported step 6 is the run's final weights
-    a, b = load_file(out / "model.safetensors"), load_file(uninterrupted / "final" / "model.safetensors")
+    a, b = (
+        load_file(out / "model.safetensors"),
+        load_file(uninterrupted / "final" / "model.safetensors"),
+    )
     assert all(torch.equal(a[k], b[k]) for k in b)
     # vLLM loads the folder itself (in a process of its own) and gives the trainer's logprobs
     check = (
@@ -133,8 +181,13 @@ def test_export_of_a_saved_step_loads_in_transformers_and_vllm(uninterrupted, tm
         "prompts = test_rollout.prompts_of(tok, 32)\n"
         "print('DIFF', test_rollout.mean_abs_diff(m, e, prompts, seed=0))\n"
     ) % (str(ROOT), str(ROOT / "tests"), str(out), str(out), str(out))
-    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    r = subprocess.run(
+        [sys.executable, "-c", check],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     diff = float(r.stdout.split("DIFF")[1])
     assert diff < 1e-3
@@ -143,7 +196,11 @@ def test_export_of_a_saved_step_loads_in_transformers_and_vllm(uninterrupted, tm
 
 def test_run_writes_the_curves_png(uninterrupted):
     png = uninterrupted / "curves.png"
-    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    assert (
+        png.exists()
+        and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        and png.stat().st_size > 20_000
+    )
 
 
 class _RunsCode:
@@ -156,7 +213,9 @@ class _RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_a_checkpoint_whose_pickle_would_run_code_is_refused_in_one_line(uninterrupted, tmp_path, tiny_path, capsys):
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_in_one_line(
+    uninterrupted, tmp_path, tiny_path, capsys
+):
     import shutil
 
     folder = tmp_path / "checkpoints"
@@ -170,4 +229,7 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_in_one_line(uninter
     assert not marker.exists()  # nothing ran
     assert resumed is not None and resumed[1] == 4  # the checkpoint before it
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "step_000006" in ln)
-    assert "is damaged (UnpicklingError: rank0.pt holds more than tensors" in line and "refused" in line
+    assert (
+        "is damaged (UnpicklingError: rank0.pt holds more than tensors" in line
+        and "refused" in line
+    )

@@ -1,4 +1,5 @@
-"""torchrun on CPU with gloo: the same update at any world size, refit from shards, and a dead rank's fallout."""
+"""torchrun on CPU with gloo: the same update at any world size, refit from shards, and a dead
+rank's fallout."""
 
 import json
 import os
@@ -16,52 +17,103 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def torchrun(n: int, *args, timeout=300, worker="dist_worker.py") -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node n tests/WORKER args...` (test_dpo.py runs dpo_worker.py through it too)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", **({} if args[0] == "refit" else CPU_ONLY))
-    cmd = [TORCHRUN, "--nproc_per_node", str(n), "--master_port", str(29500 + os.getpid() % 1000),
-           str(HERE / worker), *map(str, args)]
+    """`torchrun --nproc_per_node n tests/WORKER args...` (test_dpo.py runs dpo_worker.py through it
+    too)."""
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        **({} if args[0] == "refit" else CPU_ONLY),
+    )
+    cmd = [
+        TORCHRUN,
+        "--nproc_per_node",
+        str(n),
+        "--master_port",
+        str(29500 + os.getpid() % 1000),
+        str(HERE / worker),
+        *map(str, args),
+    ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    # Seen once in about a dozen 2-rank runs on a fresh machine: a rank aborts in native code with "terminate
-    # called without an active exception" and no Python traceback (gloo/c10d, not our code's numbers). Such a run
-    # says nothing about the behaviour under test, so it is run once more; any other failure stands.
-    if r.returncode != 0 and "terminate called without an active exception" in r.stderr and args[0] != "die":
+    # Seen once in about a dozen 2-rank runs on a fresh machine: a rank aborts in native code with
+    # "terminate called without an active exception" and no Python traceback (gloo/c10d, not our
+    # code's numbers). Such a run says nothing about the behaviour under test, so it is run once
+    # more; any other failure stands.
+    if (
+        r.returncode != 0
+        and "terminate called without an active exception" in r.stderr
+        and args[0] != "die"
+    ):
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     return r
 
 
 def same_update_tolerance(lr: float) -> float:
-    """How far the weights after the same update, computed in float64 at two world sizes, may differ.
+    """How far the weights after the same update, computed in float64 at two world sizes, may
+    differ.
 
-    Ranks and micro-batches only change the order in which gradient terms are summed. In float64 (unit roundoff
-    1.1e-16) a gradient entry of this tiny model, a sum of at most ~1e4 terms of magnitude < 1, moves by
-    delta < 1e-12 with the order. SGD turns that into lr * delta. Adam's first step moves a weight by
-    lr * g / (|g| + eps), whose slope at g = 0 is lr / eps (eps = 1e-8): at worst lr * delta / eps = 1e-4 * lr.
-    A real bug (a gradient off by a constant factor, a group on the wrong rank) moves weights by O(lr), and in
-    float32 (roundoff 6e-8) the same bound would be lr-sized: that is why these comparisons run in float64.
+    Ranks and micro-batches only change the order in which gradient terms are summed. In float64
+    (unit roundoff 1.1e-16) a gradient entry of this tiny model, a sum of at most ~1e4 terms of
+    magnitude < 1, moves by delta < 1e-12 with the order. SGD turns that into lr * delta. Adam's
+    first step moves a weight by lr * g / (|g| + eps), whose slope at g = 0 is lr / eps (eps =
+    1e-8): at worst lr * delta / eps = 1e-4 * lr. A real bug (a gradient off by a constant factor, a
+    group on the wrong rank) moves weights by O(lr), and in float32 (roundoff 6e-8) the same bound
+    would be lr-sized: that is why these comparisons run in float64.
     """
     return 1e-4 * lr
 
 
-@pytest.mark.parametrize("micro_tokens,minibatches,lr,opt,pg,lora_rank", [
-    # plain SGD without clipping moves each weight by -lr * its gradient, so a gradient off by a constant factor
-    # (a wrong normalizer or rank scaling) shows; Adam and clipping would hide such a factor
-    (10_000, 1, 1.0, "sgd", "ppo", 0),  # one optimizer step, one micro-batch per rank
-    (12, 1, 1e-3, "adamw", "ppo", 0),  # one optimizer step over several micro-batches (and activation checkpointing)
-    (12, 2, 1e-4, "adamw", "ppo", 0),  # two minibatches: the second step sees ratios != 1 and KL != 0
-    # GSPO (sequence ratio, sequence-level normalizer) and CISPO (stop-gradient weight) on the same two steps: the
-    # second step's ratios != 1 exercise their clipping
-    (12, 2, 1e-4, "adamw", "gspo", 0),
-    (12, 2, 1e-4, "adamw", "cispo", 0),
-    # LoRA: frozen base and trainable adapters in the same FSDP groups; the KL reference is the policy with its
-    # adapters off. SGD shows a gradient off by a factor; AdamW over two minibatches, the state of the adapters only
-    (12, 1, 1.0, "sgd", "ppo", 2),
-    (12, 2, 1e-3, "adamw", "ppo", 2),
-], ids=["sgd-one-micro-batch", "micro-batched", "two-minibatches", "two-minibatches-gspo", "two-minibatches-cispo",
-        "lora-sgd", "lora-two-minibatches"])
-def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens, minibatches, lr, opt, pg, lora_rank):
+@pytest.mark.parametrize(
+    "micro_tokens,minibatches,lr,opt,pg,lora_rank",
+    [
+        # plain SGD without clipping moves each weight by -lr * its gradient, so a gradient off by a
+        # constant factor (a wrong normalizer or rank scaling) shows; Adam and clipping would hide
+        # such a factor
+        (10_000, 1, 1.0, "sgd", "ppo", 0),  # one optimizer step, one micro-batch per rank
+        (
+            12,
+            1,
+            1e-3,
+            "adamw",
+            "ppo",
+            0,
+        ),  # one optimizer step over several micro-batches (and activation checkpointing)
+        (
+            12,
+            2,
+            1e-4,
+            "adamw",
+            "ppo",
+            0,
+        ),  # two minibatches: the second step sees ratios != 1 and KL != 0
+        # GSPO (sequence ratio, sequence-level normalizer) and CISPO (stop-gradient weight) on the
+        # same two steps: the second step's ratios != 1 exercise their clipping
+        (12, 2, 1e-4, "adamw", "gspo", 0),
+        (12, 2, 1e-4, "adamw", "cispo", 0),
+        # LoRA: frozen base and trainable adapters in the same FSDP groups; the KL reference is the
+        # policy with its adapters off. SGD shows a gradient off by a factor; AdamW over two
+        # minibatches, the state of the adapters only
+        (12, 1, 1.0, "sgd", "ppo", 2),
+        (12, 2, 1e-3, "adamw", "ppo", 2),
+    ],
+    ids=[
+        "sgd-one-micro-batch",
+        "micro-batched",
+        "two-minibatches",
+        "two-minibatches-gspo",
+        "two-minibatches-cispo",
+        "lora-sgd",
+        "lora-two-minibatches",
+    ],
+)
+def test_two_ranks_give_the_same_update_as_one(
+    tmp_path, tiny_path, micro_tokens, minibatches, lr, opt, pg, lora_rank
+):
     results = {}
     for n in (1, 2):
-        r = torchrun(n, "update", tmp_path / f"w{n}.pt", micro_tokens, minibatches, lr, opt, pg, lora_rank)
+        r = torchrun(
+            n, "update", tmp_path / f"w{n}.pt", micro_tokens, minibatches, lr, opt, pg, lora_rank
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         results[n] = torch.load(tmp_path / f"w{n}.pt")
     assert results[2].keys() == results[1].keys()
@@ -70,26 +122,39 @@ def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens
     from transformers import AutoModelForCausalLM
 
     init = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
-    if lora_rank:  # the adapters moved (B from the worker's start, 0.05 * N(0, 1)); the base did not
+    if (
+        lora_rank
+    ):  # the adapters moved (B from the worker's start, 0.05 * N(0, 1)); the base did not
         start = torch.load(tmp_path / "w1.pt.start")
         moved = max((results[1][k] - start[k]).abs().max().item() for k in start)
-        base = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v for k, v in results[1].items()
-                if ".lora_" not in k}
+        base = {
+            k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
+            for k, v in results[1].items()
+            if ".lora_" not in k
+        }
         assert base.keys() == init.keys() - {"lm_head.weight"}  # tied to the embedding
         assert all(torch.equal(v.float(), init[k]) for k, v in base.items())
-        # the refit's merged weights (float32, cast on the shards): the same at both world sizes, W + scale * B A
+        # the refit's merged weights (float32, cast on the shards): the same at both world sizes, W
+        # + scale * B A
         merged = {n: torch.load(tmp_path / f"w{n}.pt.merged") for n in (1, 2)}
         assert merged[1].keys() == merged[2].keys() == base.keys()
         assert all(t.dtype == torch.float32 for t in merged[2].values())
         p = {k.removeprefix("base_model.model."): v for k, v in results[2].items()}
         for k, t in merged[2].items():
             layer = k.removesuffix(".weight")
-            want = p.get(f"{layer}.base_layer.weight", p.get(k, p.get(k.replace(".bias", ".base_layer.bias"))))
+            want = p.get(
+                f"{layer}.base_layer.weight",
+                p.get(k, p.get(k.replace(".bias", ".base_layer.bias"))),
+            )
             want = want.double()
             if f"{layer}.lora_A.default.weight" in p:
-                A, B = p[f"{layer}.lora_A.default.weight"].double(), p[f"{layer}.lora_B.default.weight"].double()
+                A, B = (
+                    p[f"{layer}.lora_A.default.weight"].double(),
+                    p[f"{layer}.lora_B.default.weight"].double(),
+                )
                 want = want + (32.0 / lora_rank) * B @ A
-            # float32 rounding, relative to the merged weight's size (the adapters' scale makes some entries ~10)
+            # float32 rounding, relative to the merged weight's size (the adapters' scale makes some
+            # entries ~10)
             tol = 1e-6 * (1 + want.abs().max().item())
             assert (t.double() - want).abs().max().item() < tol, k
             assert (t - merged[1][k]).abs().max().item() < tol, k
@@ -99,15 +164,28 @@ def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path, micro_tokens
 
 
 def test_tied_embeddings_of_the_real_model_get_the_same_update_at_two_ranks(tmp_path):
-    # SmolLM2-135M (--model smollm2) ties its LM head to the embedding: one tensor, two uses, whose gradient is the
-    # sum of both under FSDP2 as in one process. Unclipped SGD in float64 on a short batch (4 prompts x 2), no KL
+    # SmolLM2-135M (--model smollm2) ties its LM head to the embedding: one tensor, two uses, whose
+    # gradient is the sum of both under FSDP2 as in one process. Unclipped SGD in float64 on a short
+    # batch (4 prompts x 2), no KL
     from demo import bases
     import model
     from safetensors.torch import load_file
 
     results = {}
     for n in (1, 2):
-        r = torchrun(n, "update", tmp_path / f"w{n}.pt", 10_000, 1, 1.0, "sgd", "ppo", 0, bases.SMOLLM2, timeout=600)
+        r = torchrun(
+            n,
+            "update",
+            tmp_path / f"w{n}.pt",
+            10_000,
+            1,
+            1.0,
+            "sgd",
+            "ppo",
+            0,
+            bases.SMOLLM2,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         results[n] = torch.load(tmp_path / f"w{n}.pt")
     assert results[2].keys() == results[1].keys()
@@ -117,9 +195,12 @@ def test_tied_embeddings_of_the_real_model_get_the_same_update_at_two_ranks(tmp_
     init = load_file(path / "model.safetensors")["model.embed_tokens.weight"]
     for n in (1, 2):
         moved = (results[n]["model.embed_tokens.weight"] - init.double()).abs().sum(1)
-        # the batch's tokens are a few dozen of the 49,152 rows: every other row moves only through the LM head's
-        # softmax, so every row moving says that the head's gradient reached the one shared tensor
-        assert bool((moved > 0).all()), f"{n} rank(s): {int((moved == 0).sum())} embedding rows did not move"
+        # the batch's tokens are a few dozen of the 49,152 rows: every other row moves only through
+        # the LM head's softmax, so every row moving says that the head's gradient reached the one
+        # shared tensor
+        assert bool((moved > 0).all()), (
+            f"{n} rank(s): {int((moved == 0).sum())} embedding rows did not move"
+        )
 
 
 @pytest.mark.two_gpus
@@ -130,23 +211,26 @@ def test_refit_from_shards_matches_trainer_on_each_rank(tmp_path, tiny_path, tp)
     res = [json.loads((tmp_path / f"refit.rank{rank}").read_text()) for rank in (0, 1)]
     for got in res:
         assert got["world"] == 2 and got["diff"] < 1e-3, got
-    # the held-out evaluation of four copies of one prompt: every sample its own, also across engines (each prompt
-    # is seeded by its index in the whole list, not in a rank's share)
+    # the held-out evaluation of four copies of one prompt: every sample its own, also across
+    # engines (each prompt is seeded by its index in the whole list, not in a rank's share)
     samples = [text for got in res[: 2 // tp] for _, text in got["heldout_samples"]]
     assert len(samples) == 8 and len(set(samples)) == 8, samples
     assert "Traceback" not in r.stderr and "Invalid process group" not in r.stderr, r.stderr[-3000:]
 
 
 def test_a_gpu_run_starts_a_group_that_carries_cpu_tensors():
-    # NCCL alone carries only CUDA tensors, and every step reduces CPU tensors (counts, metrics, flags): the group a
-    # GPU run starts must map the CPU to gloo. torch's own parser reads the backend string.
+    # NCCL alone carries only CUDA tensors, and every step reduces CPU tensors (counts, metrics,
+    # flags): the group a GPU run starts must map the CPU to gloo. torch's own parser reads the
+    # backend string.
     from torch.distributed.distributed_c10d import BackendConfig
 
     import distributed
 
     gpu = BackendConfig(distributed.backend(cuda=True)).get_device_backend_map()
     assert gpu == {"cpu": "gloo", "cuda": "nccl"}
-    assert BackendConfig(distributed.backend(cuda=False)).get_device_backend_map() == {"cpu": "gloo"}  # the tests'
+    assert BackendConfig(distributed.backend(cuda=False)).get_device_backend_map() == {
+        "cpu": "gloo"
+    }  # the tests'
 
 
 def test_the_process_set_up_and_precision_policy_of_a_sharded_run(tmp_path):
@@ -156,11 +240,17 @@ def test_the_process_set_up_and_precision_policy_of_a_sharded_run(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = [json.loads((tmp_path / f"policy.rank{rank}").read_text()) for rank in (0, 1)]
     for rank, got in enumerate(res):
-        assert got["threads"] == max(1, (os.cpu_count() or 1) // 2)  # the node's cores shared by its two ranks
-        # after a forward without grad FSDP2 leaves the root (embedding, norm, head) gathered unless resharded;
-        # under the bf16 policy every parameter stays a float32 shard
-        assert got["bf16"] and all(is_shard and dtype == "torch.float32" for is_shard, dtype in got["params"].values()), got
-        assert got["full_state_dict"] == (len(got["params"]) if rank == 0 else 0)  # one full copy, on rank 0
+        assert got["threads"] == max(
+            1, (os.cpu_count() or 1) // 2
+        )  # the node's cores shared by its two ranks
+        # after a forward without grad FSDP2 leaves the root (embedding, norm, head) gathered unless
+        # resharded; under the bf16 policy every parameter stays a float32 shard
+        assert got["bf16"] and all(
+            is_shard and dtype == "torch.float32" for is_shard, dtype in got["params"].values()
+        ), got
+        assert got["full_state_dict"] == (
+            len(got["params"]) if rank == 0 else 0
+        )  # one full copy, on rank 0
     exported = load_file(tmp_path / "policy" / "export" / "model.safetensors")
     assert exported and all(t.dtype == torch.float32 for t in exported.values())
 
@@ -169,9 +259,23 @@ def test_the_process_set_up_and_precision_policy_of_a_sharded_run(tmp_path):
 @pytest.mark.two_gpus
 def test_train_under_torchrun_with_a_tensor_parallel_engine(tmp_path, tiny_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29700 + os.getpid() % 200),
-           str(HERE.parent / "train.py"), "--steps", "3", "--eval-every", "3", "--tensor-parallel-size", "2",
-           "--out-dir", str(tmp_path), "--quiet"]
+    cmd = [
+        TORCHRUN,
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(29700 + os.getpid() % 200),
+        str(HERE.parent / "train.py"),
+        "--steps",
+        "3",
+        "--eval-every",
+        "3",
+        "--tensor-parallel-size",
+        "2",
+        "--out-dir",
+        str(tmp_path),
+        "--quiet",
+    ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     # the engines shut down before the process group: no rank prints a traceback at exit
@@ -204,7 +308,8 @@ if {reuse}:
     assert distributed.reuse_freed_memory()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for step in range(6):  # what a training step does with its activations: allocate and write them, then free them
+# what a training step does with its activations: allocate and write them, then free them
+for step in range(6):
     f0 = faults()
     acts = [torch.empty(mib * 2**20 // 4).fill_(1.0) for mib in {sizes}]
     del acts
@@ -214,32 +319,75 @@ print(faults() - f0)
 
 @pytest.mark.parametrize("reuse", [False, True])
 def test_reuse_freed_memory_stops_page_faults_on_every_step(reuse):
-    # a fresh interpreter: the setting is process-wide, and the count needs a heap no other test has touched
+    # a fresh interpreter: the setting is process-wide, and the count needs a heap no other test has
+    # touched
     root, sizes = str(Path(__file__).resolve().parents[1]), [48, 8, 16, 64, 1, 32]
-    out = subprocess.run([sys.executable, "-c", REALLOCATE.format(root=root, reuse=reuse, sizes=sizes)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", REALLOCATE.format(root=root, reuse=reuse, sizes=sizes)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     pages = sum(sizes) * 2**20 // 4096
     if reuse:
-        assert int(out) < pages // 20  # the heap kept the memory: a later step faults (almost) nothing in
+        assert (
+            int(out) < pages // 20
+        )  # the heap kept the memory: a later step faults (almost) nothing in
     else:
-        assert int(out) > pages // 2  # glibc's default: munmap on free, and every page faulted in again
+        assert (
+            int(out) > pages // 2
+        )  # glibc's default: munmap on free, and every page faulted in again
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # A GRPO run under torchrun: over two "nodes", and killed then resumed
 
-RUN_FLAGS = ["--steps", "6", "--checkpoint-every", "2", "--eval-every", "2", "--eval-prompts", "16",
-             "--prompts-per-step", "8", "--engine", "hf", "--threads", "1", "--quiet"]  # threads: the same at both shapes
+RUN_FLAGS = [
+    "--steps",
+    "6",
+    "--checkpoint-every",
+    "2",
+    "--eval-every",
+    "2",
+    "--eval-prompts",
+    "16",
+    "--prompts-per-step",
+    "8",
+    "--engine",
+    "hf",
+    "--threads",
+    "1",
+    "--quiet",
+]  # threads: the same at both shapes
 TIMING = ("time_", "elapsed", "tokens_per_s", "peak_mem")
 
 
 def launch(out: Path, port: int, nnodes: int = 1, node_rank: int = 0) -> subprocess.Popen:
-    """`torchrun` of train.py on this machine: 2 processes on 1 node, or 1 process as node `node_rank` of 2."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", **CPU_ONLY)  # the HF engine: bit for bit on the CPU, on any machine
-    nodes = ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1"] if nnodes == 2 else []
-    cmd = [TORCHRUN, *nodes, "--nproc_per_node", str(2 // nnodes), "--master_port", str(port),
-           str(HERE.parent / "train.py"), *RUN_FLAGS, "--out-dir", str(out)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """`torchrun` of train.py on this machine: 2 processes on 1 node, or 1 process as node
+    `node_rank` of 2."""
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", **CPU_ONLY
+    )  # the HF engine: bit for bit on the CPU, on any machine
+    nodes = (
+        ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1"]
+        if nnodes == 2
+        else []
+    )
+    cmd = [
+        TORCHRUN,
+        *nodes,
+        "--nproc_per_node",
+        str(2 // nnodes),
+        "--master_port",
+        str(port),
+        str(HERE.parent / "train.py"),
+        *RUN_FLAGS,
+        "--out-dir",
+        str(out),
+    ]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def finished(p: subprocess.Popen) -> str:
@@ -252,12 +400,19 @@ def outcome(out: Path) -> tuple[list[dict], dict]:
     """(metrics without timings, final weights) of a run folder."""
     from safetensors.torch import load_file
 
-    rows = [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)} for line in open(out / "metrics.jsonl")]
+    rows = [
+        {k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)}
+        for line in open(out / "metrics.jsonl")
+    ]
     return rows, load_file(out / "final" / "model.safetensors")
 
 
 def same(a: tuple[list[dict], dict], b: tuple[list[dict], dict]) -> bool:
-    return a[0] == b[0] and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+    return (
+        a[0] == b[0]
+        and a[1].keys() == b[1].keys()
+        and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+    )
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +432,9 @@ def test_two_nodes_of_one_process_equal_one_node_of_two(one_node_of_two, tmp_pat
     assert same((rows, weights), one_node_of_two)  # bit for bit
 
 
-def test_a_rank_killed_mid_run_then_the_same_command_resumes_to_the_same_end(one_node_of_two, tmp_path):
+def test_a_rank_killed_mid_run_then_the_same_command_resumes_to_the_same_end(
+    one_node_of_two, tmp_path
+):
     import signal
 
     import psutil
@@ -300,20 +457,66 @@ def test_a_rank_killed_mid_run_then_the_same_command_resumes_to_the_same_end(one
 @pytest.mark.two_gpus
 def test_eval_aime_under_torchrun_writes_what_one_process_writes(tmp_path, tiny_path):
     fix = HERE / "fixtures"
-    flags = ["--model", "tiny", "--data", str(fix / "sum3_eval.jsonl"), "--prompt-template", str(fix / "plain_template.txt"),
-             "--reward", "exact", "--k", "4", "--temperature", "1.0", "--top-p", "1.0", "--max-tokens", "8"]
+    flags = [
+        "--model",
+        "tiny",
+        "--data",
+        str(fix / "sum3_eval.jsonl"),
+        "--prompt-template",
+        str(fix / "plain_template.txt"),
+        "--reward",
+        "exact",
+        "--k",
+        "4",
+        "--temperature",
+        "1.0",
+        "--top-p",
+        "1.0",
+        "--max-tokens",
+        "8",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    one = subprocess.run([sys.executable, str(HERE.parent / "eval_aime.py"), *flags, "--out", str(tmp_path / "one.jsonl")],
-                         env=env, capture_output=True, text=True, timeout=300)
+    one = subprocess.run(
+        [
+            sys.executable,
+            str(HERE.parent / "eval_aime.py"),
+            *flags,
+            "--out",
+            str(tmp_path / "one.jsonl"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(30100 + os.getpid() % 100),
-                          str(HERE.parent / "eval_aime.py"), *flags, "--out", str(tmp_path / "two.jsonl")],
-                         env=env, capture_output=True, text=True, timeout=300)
+    two = subprocess.run(
+        [
+            TORCHRUN,
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(30100 + os.getpid() % 100),
+            str(HERE.parent / "eval_aime.py"),
+            *flags,
+            "--out",
+            str(tmp_path / "two.jsonl"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "Traceback" not in two.stderr + one.stderr, two.stderr[-3000:]  # each engine shut down before the group
+    assert "Traceback" not in two.stderr + one.stderr, two.stderr[
+        -3000:
+    ]  # each engine shut down before the group
     rows = {n: [json.loads(line) for line in open(tmp_path / f"{n}.jsonl")] for n in ("one", "two")}
-    assert len(rows["one"]) == 24 * 4 and rows["two"] == rows["one"]  # every sample, in the same order
+    assert (
+        len(rows["one"]) == 24 * 4 and rows["two"] == rows["one"]
+    )  # every sample, in the same order
     summary = {n: json.loads((tmp_path / f"{n}.summary.json").read_text()) for n in ("one", "two")}
-    assert {k: v for k, v in summary["two"].items() if k != "config"} == \
-           {k: v for k, v in summary["one"].items() if k != "config"}
+    assert {k: v for k, v in summary["two"].items() if k != "config"} == {
+        k: v for k, v in summary["one"].items() if k != "config"
+    }
     assert "2 engines" in two.stdout and "pass@1" in two.stdout

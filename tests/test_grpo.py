@@ -1,4 +1,5 @@
-"""grpo.py against an independent float64 computation, written here element by element in plain Python loops."""
+"""grpo.py against an independent float64 computation, written here element by element in plain
+Python loops."""
 
 import math
 import random
@@ -10,7 +11,8 @@ import grpo
 
 
 def ref_advantages(rewards, leave_one_out, scale, eps):
-    """Per sample: baseline and std over the whole group, or over the G - 1 others (leave-one-out)."""
+    """Per sample: baseline and std over the whole group, or over the G - 1 others
+    (leave-one-out)."""
     flat = [r for g in rewards for r in g]
     bm = sum(flat) / len(flat)
     batch_std = math.sqrt(sum((r - bm) ** 2 for r in flat) / (len(flat) - 1))
@@ -20,7 +22,11 @@ def ref_advantages(rewards, leave_one_out, scale, eps):
         for i, r in enumerate(group):
             pool = group[:i] + group[i + 1 :] if leave_one_out else group
             b = sum(pool) / len(pool)
-            std = math.sqrt(sum((x - b) ** 2 for x in pool) / (len(pool) - 1)) if len(pool) >= 2 else 0.0
+            std = (
+                math.sqrt(sum((x - b) ** 2 for x in pool) / (len(pool) - 1))
+                if len(pool) >= 2
+                else 0.0
+            )
             s = {"group": std, "batch": batch_std, "none": 0.0}[scale]
             row.append((r - b) / (s + eps) if s > 0 else r - b)
         out.append(row)
@@ -45,7 +51,9 @@ def test_advantages_match_float64(leave_one_out, scale):
 def test_leave_one_out_uses_the_others_std_as_nemo_rl():
     # mean and std of the two others: [2.5, 0.7071], [2, 1.4142], [1.5, 0.7071]
     got = grpo.group_advantages(torch.tensor([[1.0, 2.0, 3.0]]), leave_one_out=True)
-    torch.testing.assert_close(got, torch.tensor([[-1.5 / 0.5**0.5, 0.0, 1.5 / 0.5**0.5]]), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(
+        got, torch.tensor([[-1.5 / 0.5**0.5, 0.0, 1.5 / 0.5**0.5]]), atol=1e-4, rtol=1e-5
+    )
     # G = 2: one other, no std to divide by
     got = grpo.group_advantages(torch.tensor([[1.0, 0.0]]), leave_one_out=True)
     torch.testing.assert_close(got, torch.tensor([[1.0, -1.0]]))
@@ -54,7 +62,11 @@ def test_leave_one_out_uses_the_others_std_as_nemo_rl():
 def _kl_ref(x_raw, kind, cfg):
     """(value, d value / d logp) of the clamped estimator, x_raw = ref - logp."""
     x = max(-cfg.kl_input_clamp, min(cfg.kl_input_clamp, x_raw))
-    k, dk_dx = {"k1": (-x, -1.0), "k2": (0.5 * x * x, x), "k3": (math.exp(x) - 1 - x, math.exp(x) - 1)}[kind]
+    k, dk_dx = {
+        "k1": (-x, -1.0),
+        "k2": (0.5 * x * x, x),
+        "k3": (math.exp(x) - 1 - x, math.exp(x) - 1),
+    }[kind]
     inside = x == x_raw
     g = -dk_dx if inside else 0.0
     if cfg.kl_score_term and inside:
@@ -65,8 +77,9 @@ def _kl_ref(x_raw, kind, cfg):
 
 
 def ref_loss_and_grad(logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig):
-    """float64 in plain Python, token by token, straight from grpo.py's docstring: the loss and its derivative
-    written by hand (CISPO's stop-gradient and the KL's score term are not derivatives of the value)."""
+    """float64 in plain Python, token by token, straight from grpo.py's docstring: the loss and its
+    derivative written by hand (CISPO's stop-gradient and the KL's score term are not derivatives of
+    the value)."""
     B, T = len(logp), len(logp[0])
     rows = [[t for t in range(T) if mask[i][t]] for i in range(B)]
     n_tok = sum(len(r) for r in rows)
@@ -85,7 +98,11 @@ def ref_loss_and_grad(logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig):
         if cfg.is_correction == "tis":
             w = {t: min(max(seq_v if cfg.pg == "gspo" else v[t], lo), hi) for t in rows[i]}
         elif cfg.is_correction == "icepop":
-            w = {t: (x if lo <= x <= hi else 0.0) for t in rows[i] for x in [seq_v if cfg.pg == "gspo" else v[t]]}
+            w = {
+                t: (x if lo <= x <= hi else 0.0)
+                for t in rows[i]
+                for x in [seq_v if cfg.pg == "gspo" else v[t]]
+            }
         elif cfg.is_correction == "seq-mask":
             w = dict.fromkeys(rows[i], seq_v if lo <= seq_v <= hi else 0.0)
         elif cfg.is_correction == "seq-mask-tis":
@@ -100,7 +117,9 @@ def ref_loss_and_grad(logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig):
             elif cfg.pg == "reinforce":
                 pg, dpg = -A * logp[i][t], -A
             else:
-                unclipped = -A * rho >= -A * clip  # the max takes the unclipped branch (equal inside the band)
+                unclipped = (
+                    -A * rho >= -A * clip
+                )  # the max takes the unclipped branch (equal inside the band)
                 pg, drho = (-A * rho, -A) if unclipped else (-A * clip, 0.0)
                 if cfg.dual_clip > 0 and A < 0 and pg > -cfg.dual_clip * A:
                     pg, drho = -cfg.dual_clip * A, 0.0
@@ -146,14 +165,20 @@ CONFIGS = [
     grpo.LossConfig(pg="reinforce"),
     grpo.LossConfig(pg="reinforce", token_level=False, kl_beta=0.1),
 ]
-# where the gradient is the derivative of the loss's value, finite differences check the hand-written one too
-TRUE_DERIVATIVE = lambda c: c.pg != "cispo" and not (c.kl_beta > 0 and c.kl_score_term)  # noqa: E731
+
+
+# where the gradient is the derivative of the loss's value, finite differences check the
+# hand-written one too
+def TRUE_DERIVATIVE(c):
+    return c.pg != "cispo" and not (c.kl_beta > 0 and c.kl_score_term)
 
 
 def random_inputs(seed, B=12, T=9):
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
-    logp = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4  # ratios well outside the clip band
+    logp = (
+        old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4
+    )  # ratios well outside the clip band
     gen = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5
     ref = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5
     adv = torch.randn(B, generator=g, dtype=torch.float64)
@@ -179,7 +204,9 @@ def test_loss_and_grad_match_float64(cfg):
         args = (old.tolist(), adv.tolist(), mask.tolist(), gen.tolist(), ref.tolist(), cfg)
         want, want_grad = ref_loss_and_grad(logp.tolist(), *args)
         assert loss.item() == pytest.approx(want, abs=1e-10, rel=1e-9)
-        torch.testing.assert_close(x.grad, torch.tensor(want_grad, dtype=torch.float64), atol=1e-10, rtol=1e-9)
+        torch.testing.assert_close(
+            x.grad, torch.tensor(want_grad, dtype=torch.float64), atol=1e-10, rtol=1e-9
+        )
         if TRUE_DERIVATIVE(cfg):
             h, lp = 1e-6, logp.tolist()
             for i, t in [(1, 0), (1, 4), (3, 0), (3, 1), (4, 0), (4, 1), (5, 2), (0, 0), (2, 3)]:
@@ -205,7 +232,8 @@ def test_is_oob_counts_what_the_correction_clipped_or_masked():
 
 
 def test_microbatch_split_gives_same_loss_and_grad():
-    """Summing micro-batch losses normalized by the global token count equals the full-batch loss and gradient."""
+    """Summing micro-batch losses normalized by the global token count equals the full-batch loss
+    and gradient."""
     cfg = grpo.LossConfig(eps_high=0.28, kl_beta=0.01)
     logp, old, adv, mask, gen, ref = [t.float() for t in random_inputs(7, B=16)]
     norm = mask.sum().item()
@@ -226,7 +254,9 @@ def test_microbatch_split_gives_same_loss_and_grad():
 
 
 def test_zero_variance_group_gives_no_gradient():
-    adv = grpo.group_advantages(torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 1.0]])).flatten()
+    adv = grpo.group_advantages(
+        torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 1.0]])
+    ).flatten()
     logp = torch.randn(8, 5).requires_grad_(True)
     loss, _ = grpo.policy_loss(logp, logp.detach(), adv, torch.ones(8, 5), grpo.LossConfig(), 40.0)
     loss.backward()
@@ -239,10 +269,14 @@ def test_overlong_filter_masks_truncated_responses_but_keeps_them_in_the_baselin
 
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
     truncated = [False, True, False, True]
-    samples = [rollout.Sample(0, [5] * (3 if t else 2), [-0.5] * (3 if t else 2), t) for t in truncated]
+    samples = [
+        rollout.Sample(0, [5] * (3 if t else 2), [-0.5] * (3 if t else 2), t) for t in truncated
+    ]
     adv = grpo.group_advantages(rewards).flatten()
     # the baseline is the mean over all four rewards (0.5), truncated ones included
-    want = torch.tensor(ref_advantages(rewards.tolist(), False, "group", 1e-6)[0], dtype=torch.float32)
+    want = torch.tensor(
+        ref_advantages(rewards.tolist(), False, "group", 1e-6)[0], dtype=torch.float32
+    )
     torch.testing.assert_close(adv, want)
     b = train.make_batch([[1, 2, 3]], samples, adv, overlong_filter=True, pad_id=0)
     assert b.loss_mask.sum(1).tolist() == [2, 0, 2, 0]

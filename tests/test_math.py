@@ -1,5 +1,5 @@
-"""The math path on CPU: problem files and their errors, DeepScaleR prompts and stage presets, a GRPO run from a
-.jsonl of math problems, and eval_aime.py's figures recounted from its own JSONL."""
+"""The math path on CPU: problem files and their errors, DeepScaleR prompts and stage presets, a
+GRPO run from a .jsonl of math problems, and eval_aime.py's figures recounted from its own JSONL."""
 
 import json
 from pathlib import Path
@@ -20,22 +20,49 @@ def write(path: Path, text: str) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("name,text,needle", [
-    ("missing.jsonl", '{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n', "row 2: missing field 'answer'"),
-    ("empty.jsonl", '{"problem": "1+1", "answer": "2"}\n\n{"problem": "x", "answer": "  "}\n', "row 3: empty 'answer'"),
-    ("broken.jsonl", '{"problem": "1+1", "answer": "2"}\n{"problem": \n', "row 2: not valid JSON"),
-    ("notobj.jsonl", '{"problem": "1+1", "answer": "2"}\n[1, 2]\n', "row 2: expected an object"),
-    ("list.json", '{"problem": "1+1"}', "expected a JSON list"),
-    ("rows.json", '[{"problem": "a", "answer": "1"}, {"question": "b", "answer": "2"}]', "row 2: missing field 'problem'"),
-    ("none.jsonl", "\n\n", "no problems"),
-    ("data.csv", "problem,answer\n", "unknown file type"),
-])
+@pytest.mark.parametrize(
+    "name,text,needle",
+    [
+        (
+            "missing.jsonl",
+            '{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n',
+            "row 2: missing field 'answer'",
+        ),
+        (
+            "empty.jsonl",
+            '{"problem": "1+1", "answer": "2"}\n\n{"problem": "x", "answer": "  "}\n',
+            "row 3: empty 'answer'",
+        ),
+        (
+            "broken.jsonl",
+            '{"problem": "1+1", "answer": "2"}\n{"problem": \n',
+            "row 2: not valid JSON",
+        ),
+        (
+            "notobj.jsonl",
+            '{"problem": "1+1", "answer": "2"}\n[1, 2]\n',
+            "row 2: expected an object",
+        ),
+        ("list.json", '{"problem": "1+1"}', "expected a JSON list"),
+        (
+            "rows.json",
+            '[{"problem": "a", "answer": "1"}, {"question": "b", "answer": "2"}]',
+            "row 2: missing field 'problem'",
+        ),
+        ("none.jsonl", "\n\n", "no problems"),
+        ("data.csv", "problem,answer\n", "unknown file type"),
+    ],
+)
 def test_bad_problem_files_name_file_and_row(tmp_path, name, text, needle):
     path = write(tmp_path / name, text)
-    with pytest.raises(data.DataError) as e:  # a UserError: an entry point exits 2 with it (test_faults.py)
+    with pytest.raises(
+        data.DataError
+    ) as e:  # a UserError: an entry point exits 2 with it (test_faults.py)
         data.load_problems(path)
     msg = str(e.value)
-    assert needle in msg and path in msg and "\n" not in msg  # (exit status 2: tests/test_faults.py)
+    assert (
+        needle in msg and path in msg and "\n" not in msg
+    )  # (exit status 2: tests/test_faults.py)
 
 
 def test_problem_files_in_every_format_and_field_names(tmp_path):
@@ -45,7 +72,10 @@ def test_problem_files_in_every_format_and_field_names(tmp_path):
     rows = [{"question": "What is 1+1?", "final": 2}, {"question": "What is 2+2?", "final": "4"}]
     write(tmp_path / "p.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     write(tmp_path / "p.json", json.dumps(rows))
-    pq.write_table(pa.Table.from_pylist([{k: str(v) for k, v in r.items()} for r in rows]), tmp_path / "p.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{k: str(v) for k, v in r.items()} for r in rows]),
+        tmp_path / "p.parquet",
+    )
     for ext in ("jsonl", "json", "parquet"):
         got = data.load_problems(str(tmp_path / f"p.{ext}"), "question", "final")
         assert got == [data.Problem("What is 1+1?", "2"), data.Problem("What is 2+2?", "4")]
@@ -63,26 +93,61 @@ def test_deepscaler_prompt_with_and_without_chat_template(tok):
         text = tok.decode(data.math_prompt(tok, "What is 2+3?"))
     finally:
         tok.chat_template = None
-    assert text.startswith("<|user|>What is 2+3? Let's think step by step") and text.endswith("<|assistant|>")
+    assert text.startswith("<|user|>What is 2+3? Let's think step by step") and text.endswith(
+        "<|assistant|>"
+    )
 
 
 def test_stage_presets_match_design_and_flags_override():
-    want = {1: (8192, 2e-6, 0.0, 0.2, 240), 2: (16384, 2e-6, 1e-3, 0.28, 290), 3: (24576, 5e-7, 1e-4, 0.28, 50)}
+    want = {
+        1: (8192, 2e-6, 0.0, 0.2, 240),
+        2: (16384, 2e-6, 1e-3, 0.28, 290),
+        3: (24576, 5e-7, 1e-4, 0.28, 50),
+    }
     for stage, (seq, lr, beta, eps_high, steps) in want.items():
         c = train.parse_args(["--stage", str(stage), "--data", "x.jsonl"])
-        assert (c.max_seq_len, c.run.lr, c.loss.kl_beta, c.loss.eps_high, c.run.steps) == \
-            (seq, lr, beta, eps_high, steps)
-        assert (c.prompts_per_step, c.group_size, c.minibatch_size, c.loss.eps_low, c.temperature) == \
-            (128, 8, 64, 0.2, 1.0)
-        assert (c.run.weight_decay, c.run.warmup_steps, c.run.grad_clip, c.task, c.stage) == \
-            (0.01, 50, 1.0, "math", stage)
-        assert (c.loss.leave_one_out, c.loss.adv_scale, c.loss.pg, c.loss.token_level) == (True, "group", "ppo", True)
+        assert (c.max_seq_len, c.run.lr, c.loss.kl_beta, c.loss.eps_high, c.run.steps) == (
+            seq,
+            lr,
+            beta,
+            eps_high,
+            steps,
+        )
+        assert (
+            c.prompts_per_step,
+            c.group_size,
+            c.minibatch_size,
+            c.loss.eps_low,
+            c.temperature,
+        ) == (128, 8, 64, 0.2, 1.0)
+        assert (c.run.weight_decay, c.run.warmup_steps, c.run.grad_clip, c.task, c.stage) == (
+            0.01,
+            50,
+            1.0,
+            "math",
+            stage,
+        )
+        assert (c.loss.leave_one_out, c.loss.adv_scale, c.loss.pg, c.loss.token_level) == (
+            True,
+            "group",
+            "ppo",
+            True,
+        )
     c = train.parse_args(["--stage=2", "--lr", "1e-6", "--kl-beta", "0", "--max-seq-len", "12000"])
     assert (c.run.lr, c.loss.kl_beta, c.max_seq_len, c.loss.eps_high) == (1e-6, 0.0, 12000, 0.28)
     assert train.parse_args([]) == train.Config()
-    gspo = train.parse_args(["--stage", "4"])  # NeMo-RL's GSPO DeepScaleR recipe: stage 1 with GSPO's loss
-    assert gspo == config(train.Config, **dict(train.STAGES[1], stage=4, pg="gspo", token_level=False))
-    assert (gspo.loss.pg, gspo.loss.token_level, gspo.loss.eps_high, gspo.run.lr) == ("gspo", False, 0.2, 2e-6)
+    gspo = train.parse_args(
+        ["--stage", "4"]
+    )  # NeMo-RL's GSPO DeepScaleR recipe: stage 1 with GSPO's loss
+    assert gspo == config(
+        train.Config, **dict(train.STAGES[1], stage=4, pg="gspo", token_level=False)
+    )
+    assert (gspo.loss.pg, gspo.loss.token_level, gspo.loss.eps_high, gspo.run.lr) == (
+        "gspo",
+        False,
+        0.2,
+        2e-6,
+    )
     with pytest.raises(UserError, match="--stage 5: unknown stage"):
         train.parse_args(["--stage", "5"])
 
@@ -94,25 +159,51 @@ def test_long_prompts_are_dropped_and_reported(tok, capsys):
     assert all(len(p) <= 90 for p in ids) and len(kept) == len(ids)
     dropped = len(problems) - len(kept)
     assert 0 < dropped < len(problems)
-    assert f"dropped {dropped} of {len(problems)} training prompts longer than 90 tokens" in capsys.readouterr().out
+    assert (
+        f"dropped {dropped} of {len(problems)} training prompts longer than 90 tokens"
+        in capsys.readouterr().out
+    )
 
 
 @pytest.mark.cpu_numerics
 def test_grpo_run_from_a_math_jsonl(vllm_engine, tmp_path):
-    cfg = config(train.Config, task="math", data=str(FIX / "math_tiny.jsonl"), val_fraction=0.2, max_seq_len=256,
-                 max_new_tokens=24, steps=2, prompts_per_step=8, group_size=4, eval_every=2, eval_samples=2,
-                 out_dir=str(tmp_path), quiet=True, save_final=False)
+    cfg = config(
+        train.Config,
+        task="math",
+        data=str(FIX / "math_tiny.jsonl"),
+        val_fraction=0.2,
+        max_seq_len=256,
+        max_new_tokens=24,
+        steps=2,
+        prompts_per_step=8,
+        group_size=4,
+        eval_every=2,
+        eval_samples=2,
+        out_dir=str(tmp_path),
+        quiet=True,
+        save_final=False,
+    )
     rows = train.train(cfg, engine=vllm_engine)["history"]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "heldout_pass1" in rows[0] and "heldout_pass1" in rows[2]
     assert rows[1]["response_len_mean"] > 0 and rows[1]["token_mult_prob_error"] < 1.001
 
 
-def test_eval_aime_writes_samples_and_a_table_whose_pass1_recounts(vllm_engine, tmp_path, tiny_path, capsys):
+def test_eval_aime_writes_samples_and_a_table_whose_pass1_recounts(
+    vllm_engine, tmp_path, tiny_path, capsys
+):
     out = tmp_path / "samples.jsonl"
-    cfg = eval_aime.EvalConfig(model=tiny_path, data=str(FIX / "sum3_eval.jsonl"), out=str(out), reward="exact",
-                               prompt_template=str(FIX / "plain_template.txt"), k=4, temperature=1.0, top_p=1.0,
-                               max_tokens=8)
+    cfg = eval_aime.EvalConfig(
+        model=tiny_path,
+        data=str(FIX / "sum3_eval.jsonl"),
+        out=str(out),
+        reward="exact",
+        prompt_template=str(FIX / "plain_template.txt"),
+        k=4,
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=8,
+    )
     summary = eval_aime.main(cfg, engine=vllm_engine)
     rows = [json.loads(line) for line in open(out)]
     assert len(rows) == 24 * 4
@@ -124,12 +215,15 @@ def test_eval_aime_writes_samples_and_a_table_whose_pass1_recounts(vllm_engine, 
     assert summary["pass@4"] >= summary["pass@1"]
     printed = capsys.readouterr().out
     assert f"pass@1 {recount:.4f}" in printed and "problem    0" in printed
-    assert json.loads(out.with_suffix(".summary.json").read_text())["pass@1"] == pytest.approx(recount)
+    assert json.loads(out.with_suffix(".summary.json").read_text())["pass@1"] == pytest.approx(
+        recount
+    )
 
 
 def test_each_stage_gives_vllm_a_share_that_fits_its_kv_cache():
-    # the presets' --gpu-memory-utilization against memory.py's estimate at 1.5B on 8 x 80 GB: beside the trainer's
-    # resident state, and (8K, 16K) holding a rank's 128 sequences at full length; 24K cannot on 80 GB at all
+    # the presets' --gpu-memory-utilization against memory.py's estimate at 1.5B on 8 x 80 GB:
+    # beside the trainer's resident state, and (8K, 16K) holding a rank's 128 sequences at full
+    # length; 24K cannot on 80 GB at all
     import memory
 
     for stage, tokens in ((1, 8192), (2, 16384), (3, 24576)):

@@ -1,4 +1,5 @@
-"""model.py: the built-in base model is a real HF checkpoint; chunked logprobs equal a float64 full-vocab reference."""
+"""model.py: the built-in base model is a real HF checkpoint; chunked logprobs equal a float64
+full-vocab reference."""
 
 import pytest
 import torch
@@ -12,7 +13,10 @@ def test_tiny_base_is_a_real_hf_checkpoint(tiny_path):
     tok = AutoTokenizer.from_pretrained(tiny_path)
     m = AutoModelForCausalLM.from_pretrained(tiny_path)
     assert isinstance(tok, PreTrainedTokenizerFast)
-    assert m.config.model_type == "qwen2" and m.config.hidden_size // m.config.num_attention_heads == 64
+    assert (
+        m.config.model_type == "qwen2"
+        and m.config.hidden_size // m.config.num_attention_heads == 64
+    )
     ids = tok("3+4+5=")["input_ids"]
     assert ids[0] == tok.bos_token_id and tok.decode(ids, skip_special_tokens=True) == "3+4+5="
 
@@ -36,7 +40,8 @@ def random_batch(tok, seed=0):
 
 
 def reference(m, input_ids, am, start, T, resp_lens, temperature):
-    """float64 logprobs and entropy from the full logits of the whole batch, position by position."""
+    """float64 logprobs and entropy from the full logits of the whole batch, position by
+    position."""
     m64 = m.double()
     logits = m64(input_ids=input_ids, attention_mask=am).logits / temperature  # [B, L, V] float64
     lp = torch.zeros(len(resp_lens), T, dtype=torch.float64)
@@ -56,14 +61,19 @@ def test_chunked_logprobs_match_float64(tiny_path, tok, chunk, temperature):
     m = model.load_model(tiny_path)
     input_ids, am, start, T, resp_lens = random_batch(tok)
     with torch.no_grad():
-        lp, ent = model.token_logprobs(m, input_ids, am, start, T, temperature, chunk, with_entropy=True)
-        want_lp, want_ent = reference(model.load_model(tiny_path), input_ids, am, start, T, resp_lens, temperature)
+        lp, ent = model.token_logprobs(
+            m, input_ids, am, start, T, temperature, chunk, with_entropy=True
+        )
+        want_lp, want_ent = reference(
+            model.load_model(tiny_path), input_ids, am, start, T, resp_lens, temperature
+        )
     torch.testing.assert_close(lp.double(), want_lp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent.double(), want_ent, atol=1e-5, rtol=1e-5)
 
 
 def test_chunked_gradient_matches_float64_reference(tiny_path, tok):
-    """The checkpointed, chunked path backpropagates the same gradient as full-batch logits (float64 model; HF keeps RoPE in float32)."""
+    """The checkpointed, chunked path backpropagates the same gradient as full-batch logits (float64
+    model; HF keeps RoPE in float32)."""
     input_ids, am, start, T, resp_lens = random_batch(tok, seed=1)
     m = model.load_model(tiny_path).double()
     lp, _ = model.token_logprobs(m, input_ids, am, start, T, 1.0, chunk_tokens=2)
@@ -77,17 +87,24 @@ def test_chunked_gradient_matches_float64_reference(tiny_path, tok):
 
 
 def test_tiny_tokenizer_survives_save_and_load(tiny_path, tok):
-    """Loaded from disk (as the trainer and vLLM load it) it encodes and decodes exactly like the one built."""
+    """Loaded from disk (as the trainer and vLLM load it) it encodes and decodes exactly like the
+    one built."""
     built = bases.tiny_tokenizer()
-    for text in ["3+4+5=12", "What is 2+3? Let's think step by step, within \\boxed{}.", "a  b", "x^{2}"]:
+    for text in [
+        "3+4+5=12",
+        "What is 2+3? Let's think step by step, within \\boxed{}.",
+        "a  b",
+        "x^{2}",
+    ]:
         assert tok(text)["input_ids"] == built(text)["input_ids"]
         assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
 
 
 def test_the_lm_head_runs_in_float32_under_the_bf16_policy(tiny_path, tok):
-    """Under autocast's bf16 (the policy of any world size on GPU, and --dtype bfloat16 here) the LM head's matmul
-    still runs in float32: the logprobs equal a float64 head applied to the same final hidden states. A bf16 head
-    misses by ~1e-2 at logits of 20-30, which the head's weights are scaled to reach here."""
+    """Under autocast's bf16 (the policy of any world size on GPU, and --dtype bfloat16 here) the LM
+    head's matmul still runs in float32: the logprobs equal a float64 head applied to the same final
+    hidden states. A bf16 head misses by ~1e-2 at logits of 20-30, which the head's weights are
+    scaled to reach here."""
     m = model.load_model(tiny_path)
     with torch.no_grad():
         m.lm_head.weight.mul_(8.0)  # tied: the embedding scales too, and the logits reach tens
@@ -97,7 +114,9 @@ def test_the_lm_head_runs_in_float32_under_the_bf16_policy(tiny_path, tok):
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         lp, _ = model.token_logprobs(m, input_ids, am, start, T)
     h, w = hidden["h"].double(), m.lm_head.weight.double()
-    assert hidden["h"].dtype == torch.float32  # the residual stream and final norm stay float32 under autocast
+    assert (
+        hidden["h"].dtype == torch.float32
+    )  # the residual stream and final norm stay float32 under autocast
     logits = h @ w.t()  # [B, L, V] float64
     assert logits.abs().max() > 20
     for i, n in enumerate(resp_lens):

@@ -1,12 +1,14 @@
-"""NeMo-RL's unit-test cases for the loss, the advantages and the KL, run on grpo.py through a small adapter.
+"""NeMo-RL's unit-test cases for the loss, the advantages and the KL, run on grpo.py through a small
+adapter.
 
 What it does: each test here takes the inputs and expected numbers of one case of NeMo-RL's
-tests/unit/algorithms/test_loss_functions.py, test_utils.py (baseline and std) or test_grpo.py (advantage
-estimator), rewritten in our own code, so "same loss as NeMo-RL" is a test. NeMo's tensors carry a leading
-masked position that its loss slices off; the adapter takes the already-sliced [B, T] values.
+tests/unit/algorithms/test_loss_functions.py, test_utils.py (baseline and std) or test_grpo.py
+(advantage estimator), rewritten in our own code, so "same loss as NeMo-RL" is a test. NeMo's
+tensors carry a leading masked position that its loss slices off; the adapter takes the
+already-sliced [B, T] values.
 
-What it does not do: import NeMo-RL, or cover options grpo.py does not have: those cases are kept as pytest.skip
-with the reason, so the count of what agrees stays honest.
+What it does not do: import NeMo-RL, or cover options grpo.py does not have: those cases are kept as
+pytest.skip with the reason, so the count of what agrees stays honest.
 """
 
 import math
@@ -19,36 +21,58 @@ import grpo
 INF = float("inf")
 
 
-def nemo_loss(curr, prev, adv, gen=None, ref=None, token_mask=None, sample_mask=None, grad=False, **nemo):
-    """NeMo-RL ClippedPGLossFn(cfg)(...) on grpo.policy_loss. `nemo` holds ClippedPGLossConfig fields; NeMo's
-    default reference_policy_kl_penalty is 0.01. Returns (loss, metrics, d loss / d curr or None)."""
+def nemo_loss(
+    curr, prev, adv, gen=None, ref=None, token_mask=None, sample_mask=None, grad=False, **nemo
+):
+    """NeMo-RL ClippedPGLossFn(cfg)(...) on grpo.policy_loss. `nemo` holds ClippedPGLossConfig
+    fields; NeMo's default reference_policy_kl_penalty is 0.01. Returns (loss, metrics, d loss / d
+    curr or None)."""
     curr = torch.tensor(curr, dtype=torch.float64).requires_grad_(grad)
-    if nemo.get("force_on_policy_ratio"):  # NeMo: prev = curr.detach(), as our single-minibatch update does
+    if nemo.get(
+        "force_on_policy_ratio"
+    ):  # NeMo: prev = curr.detach(), as our single-minibatch update does
         prev = curr.detach()
     prev = torch.as_tensor(prev, dtype=torch.float64)
     gen = prev.clone() if gen is None else torch.tensor(gen, dtype=torch.float64)
     ref = torch.zeros_like(prev) if ref is None else torch.tensor(ref, dtype=torch.float64)
     adv = torch.tensor(adv, dtype=torch.float64)
-    mask = torch.ones_like(prev) if token_mask is None else torch.tensor(token_mask, dtype=torch.float64)
+    mask = (
+        torch.ones_like(prev)
+        if token_mask is None
+        else torch.tensor(token_mask, dtype=torch.float64)
+    )
     if sample_mask is not None:
         mask = mask * torch.tensor(sample_mask, dtype=torch.float64)[:, None]
-    pg = "cispo" if nemo.get("use_cispo") else "reinforce" if nemo.get("disable_ppo_ratio") else (
-        "gspo" if nemo.get("sequence_level_importance_ratios") else "ppo")
+    pg = (
+        "cispo"
+        if nemo.get("use_cispo")
+        else "reinforce"
+        if nemo.get("disable_ppo_ratio")
+        else ("gspo" if nemo.get("sequence_level_importance_ratios") else "ppo")
+    )
     kind = nemo.get("truncated_importance_sampling_type")
     is_correction, is_min, is_cap = "none", 0.0, INF
     if nemo.get("use_importance_sampling_correction"):  # untruncated IS is TIS with an infinite cap
         is_correction = kind or "tis"
         is_cap = nemo.get("truncated_importance_sampling_ratio") or INF
         is_min = nemo.get("truncated_importance_sampling_ratio_min") or 0.0
-    cfg = grpo.LossConfig(eps_low=nemo.get("ratio_clip_min", 0.2), eps_high=nemo.get("ratio_clip_max", 0.2),
-                          dual_clip=nemo.get("ratio_clip_c") or 0.0,
-                          kl_beta=nemo.get("reference_policy_kl_penalty", 0.01),
-                          kl_kind=nemo.get("reference_policy_kl_type", "k3"),
-                          token_level=nemo.get("token_level_loss", True), is_correction=is_correction,
-                          is_cap=is_cap, is_min=is_min, pg=pg)
+    cfg = grpo.LossConfig(
+        eps_low=nemo.get("ratio_clip_min", 0.2),
+        eps_high=nemo.get("ratio_clip_max", 0.2),
+        dual_clip=nemo.get("ratio_clip_c") or 0.0,
+        kl_beta=nemo.get("reference_policy_kl_penalty", 0.01),
+        kl_kind=nemo.get("reference_policy_kl_type", "k3"),
+        token_level=nemo.get("token_level_loss", True),
+        is_correction=is_correction,
+        is_cap=is_cap,
+        is_min=is_min,
+        pg=pg,
+    )
     # the global normalizer, as train.py builds it (at least 1, where NeMo adds 1e-8)
     norm = max(float(mask.sum() if cfg.token_level else (mask.sum(1) > 0).sum()), 1.0)
-    loss, metrics = grpo.policy_loss(curr, prev, adv[:, 0] if adv.dim() == 2 else adv, mask, cfg, norm, ref, gen)
+    loss, metrics = grpo.policy_loss(
+        curr, prev, adv[:, 0] if adv.dim() == 2 else adv, mask, cfg, norm, ref, gen
+    )
     g = None
     if grad:
         loss.backward()
@@ -56,43 +80,70 @@ def nemo_loss(curr, prev, adv, gen=None, ref=None, token_mask=None, sample_mask=
     return loss.item(), metrics, g
 
 
-RATIO_CURR = [[-1.69315, -1.0, -0.59453]]  # log(0.5) - 1, log(1) - 1, log(1.5) - 1: ratios 0.5, 1, 1.5
+RATIO_CURR = [
+    [-1.69315, -1.0, -0.59453]
+]  # log(0.5) - 1, log(1) - 1, log(1.5) - 1: ratios 0.5, 1, 1.5
 PREV = [[-1.0, -1.0, -1.0]]
-ADV = [1.0, -1.0, 2.0]  # NeMo's advantages are per token; these cases give one response three of them
+ADV = [
+    1.0,
+    -1.0,
+    2.0,
+]  # NeMo's advantages are per token; these cases give one response three of them
 
 
 def per_token_adv_loss(curr, prev, adv_tokens, **kw):
-    """NeMo's cases give each token its own advantage; ours is per response: one 1-token response per token."""
+    """NeMo's cases give each token its own advantage; ours is per response: one 1-token response
+    per token."""
     B = len(adv_tokens)
     c = [[x] for x in curr[0]]
-    p = torch.tensor(prev, dtype=torch.float64).reshape(B, 1) if not isinstance(prev, torch.Tensor) else prev
+    p = (
+        torch.tensor(prev, dtype=torch.float64).reshape(B, 1)
+        if not isinstance(prev, torch.Tensor)
+        else prev
+    )
     gen = [[x] for x in kw.pop("gen")[0]] if "gen" in kw else None
     ref = [[x] for x in kw.pop("ref")[0]] if "ref" in kw else None
     return nemo_loss(c, p, adv_tokens, gen=gen, ref=ref, **kw)
 
 
 def test_ppo_clipping():
-    assert per_token_adv_loss(RATIO_CURR, PREV, ADV, reference_policy_kl_penalty=0.0)[0] == pytest.approx(-0.6333, rel=1e-3)
+    assert per_token_adv_loss(RATIO_CURR, PREV, ADV, reference_policy_kl_penalty=0.0)[
+        0
+    ] == pytest.approx(-0.6333, rel=1e-3)
 
 
 def test_reinforce_mode():
-    loss = per_token_adv_loss([[-0.5, -1.0, -1.5]], [[0.0, 0.0, 0.0]], ADV, reference_policy_kl_penalty=0.0,
-                              disable_ppo_ratio=True, ratio_clip_min=0.0, ratio_clip_max=0.0)[0]
+    loss = per_token_adv_loss(
+        [[-0.5, -1.0, -1.5]],
+        [[0.0, 0.0, 0.0]],
+        ADV,
+        reference_policy_kl_penalty=0.0,
+        disable_ppo_ratio=True,
+        ratio_clip_min=0.0,
+        ratio_clip_max=0.0,
+    )[0]
     assert loss == pytest.approx(0.8333, rel=1e-3)
 
 
 def test_force_on_policy_ratio():
-    loss = per_token_adv_loss(RATIO_CURR, PREV, ADV, reference_policy_kl_penalty=0.0, force_on_policy_ratio=True)[0]
+    loss = per_token_adv_loss(
+        RATIO_CURR, PREV, ADV, reference_policy_kl_penalty=0.0, force_on_policy_ratio=True
+    )[0]
     assert loss == pytest.approx(-2 / 3, abs=1e-3)
 
 
 def test_force_on_policy_ratio_ignores_prev_logprobs():
-    pytest.skip("force_on_policy_ratio is a NeMo option that ignores prev_logprobs; grpo.py has no such option "
-                "(train.py's one-minibatch path passes old_logp = logp.detach(), test_force_on_policy_ratio's case)")
+    pytest.skip(
+        "force_on_policy_ratio is a NeMo option that ignores prev_logprobs; grpo.py has no such "
+        "option "
+        "(train.py's one-minibatch path passes old_logp = logp.detach(), "
+        "test_force_on_policy_ratio's case)"
+    )
 
 
-@pytest.mark.parametrize("incompatible", ["disable_ppo_ratio", "force_on_policy_ratio", "ratio_clip_c",
-                                          "sequence_level"])
+@pytest.mark.parametrize(
+    "incompatible", ["disable_ppo_ratio", "force_on_policy_ratio", "ratio_clip_c", "sequence_level"]
+)
 def test_cispo_incompatibility_asserts(incompatible):
     if incompatible in ("disable_ppo_ratio", "sequence_level"):
         pytest.skip("not expressible here: LossConfig.pg picks one of ppo, gspo, cispo, reinforce")
@@ -108,25 +159,41 @@ def test_cispo_needs_token_level():
 def _cispo_expected(gen=None):
     r = [math.exp(c - p) for c, p in zip(RATIO_CURR[0], PREV[0])]
     w = [1.0] * 3 if gen is None else [math.exp(p - g) for p, g in zip(PREV[0], gen)]
-    return sum(-a * min(max(x, 0.8), 1.2) * c * wi for a, x, c, wi in zip(ADV, r, RATIO_CURR[0], w)) / 3
+    return (
+        sum(-a * min(max(x, 0.8), 1.2) * c * wi for a, x, c, wi in zip(ADV, r, RATIO_CURR[0], w))
+        / 3
+    )
 
 
 def test_cispo():
-    loss = per_token_adv_loss(RATIO_CURR, PREV, ADV, reference_policy_kl_penalty=0.0, use_cispo=True)[0]
+    loss = per_token_adv_loss(
+        RATIO_CURR, PREV, ADV, reference_policy_kl_penalty=0.0, use_cispo=True
+    )[0]
     assert loss == pytest.approx(_cispo_expected(), abs=1e-3, rel=1e-3)
 
 
 def test_cispo_with_importance_sampling_correction():
     gen = [[-0.5, -1.5, -0.8]]
-    loss = per_token_adv_loss(RATIO_CURR, PREV, ADV, gen=gen, reference_policy_kl_penalty=0.0, use_cispo=True,
-                              use_importance_sampling_correction=True)[0]
+    loss = per_token_adv_loss(
+        RATIO_CURR,
+        PREV,
+        ADV,
+        gen=gen,
+        reference_policy_kl_penalty=0.0,
+        use_cispo=True,
+        use_importance_sampling_correction=True,
+    )[0]
     assert loss == pytest.approx(_cispo_expected(gen[0]), abs=1e-3, rel=1e-3)
 
 
 @pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
 def test_calculate_kl(kl_type):
     lp, ref = torch.tensor([[-1.0, -1.0, -1.0]]), torch.tensor([[-0.0, -15.0, -30.0]])
-    expected = {"k1": [[-1.0, 14.0, 29.0]], "k2": [[0.5, 98.0, 420.5]], "k3": [[0.7183, 13.0, 28.0]]}
+    expected = {
+        "k1": [[-1.0, 14.0, 29.0]],
+        "k2": [[0.5, 98.0, 420.5]],
+        "k3": [[0.7183, 13.0, 28.0]],
+    }
     clamped = {"k1": [[-1.0, 10.0, 10.0]], "k2": [[0.5, 10.0, 10.0]], "k3": [[0.7183, 10.0, 10.0]]}
     kl = grpo.kl_estimate(lp, ref, kl_type, input_clamp=INF, output_clamp=INF)
     torch.testing.assert_close(kl, torch.tensor(expected[kl_type]), rtol=1e-3, atol=0)
@@ -136,35 +203,53 @@ def test_calculate_kl(kl_type):
 
 def test_calculate_kl_detaches_importance_sampling_when_input_clamped():
     lp = torch.tensor([[-3.0, -1.0]], requires_grad=True)
-    kl = grpo.kl_estimate(lp, torch.zeros_like(lp), "k3", input_clamp=2.0, output_clamp=INF, score_term=True)
+    kl = grpo.kl_estimate(
+        lp, torch.zeros_like(lp), "k3", input_clamp=2.0, output_clamp=INF, score_term=True
+    )
     torch.testing.assert_close(kl.detach(), torch.tensor([[4.389056, 0.7182818]]))
     kl.sum().backward()
     torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -1.0]]), atol=1e-6, rtol=1e-6)
 
 
 def test_calculate_kl_output_clamp_includes_importance_sampling_weight():
-    pytest.skip("weights the KL by an outside importance weight (100 x), which only NeMo's "
-                "use_on_policy_kl_approximation supplies; grpo.py has no such option")
+    pytest.skip(
+        "weights the KL by an outside importance weight (100 x), which only NeMo's "
+        "use_on_policy_kl_approximation supplies; grpo.py has no such option"
+    )
 
 
 def test_kl_penalty():
-    loss = per_token_adv_loss([[0.0, -1.0, -2.0]], [[0.0, 0.0, 0.0]], [0.0, 0.0, 0.0], ref=[[-1.0, -1.0, -1.0]],
-                              reference_policy_kl_penalty=0.1)[0]
+    loss = per_token_adv_loss(
+        [[0.0, -1.0, -2.0]],
+        [[0.0, 0.0, 0.0]],
+        [0.0, 0.0, 0.0],
+        ref=[[-1.0, -1.0, -1.0]],
+        reference_policy_kl_penalty=0.1,
+    )[0]
     assert loss == pytest.approx(0.0362, rel=1e-3)
 
 
 @pytest.mark.parametrize("use_on_policy_kl_approximation", [False, True])
 def test_kl_gradient_includes_sampling_term(use_on_policy_kl_approximation):
     if use_on_policy_kl_approximation:
-        pytest.skip("grpo.py has no use_on_policy_kl_approximation (KL weighted by exp(logp - gen_logp))")
-    args = dict(curr=[[-1.2, -0.7]], prev=torch.tensor([[-1.0, -0.8]], dtype=torch.float64), adv=[0.4],
-                gen=[[-1.5, -0.4]], ref=[[-0.9, -1.1]], grad=True)
-    # NeMo's case has per-token advantages [0.4, -0.2]; the KL's gradient is their difference, so the
-    # advantage does not matter: one response with A = 0.4 takes them both
+        pytest.skip(
+            "grpo.py has no use_on_policy_kl_approximation (KL weighted by exp(logp - gen_logp))"
+        )
+    args = dict(
+        curr=[[-1.2, -0.7]],
+        prev=torch.tensor([[-1.0, -0.8]], dtype=torch.float64),
+        adv=[0.4],
+        gen=[[-1.5, -0.4]],
+        ref=[[-0.9, -1.1]],
+        grad=True,
+    )
+    # NeMo's case has per-token advantages [0.4, -0.2]; the KL's gradient is their difference, so
+    # the advantage does not matter: one response with A = 0.4 takes them both
     g_beta = nemo_loss(reference_policy_kl_penalty=0.3, **args)[2]
     g_zero = nemo_loss(reference_policy_kl_penalty=0.0, **args)[2]
-    torch.testing.assert_close(g_beta - g_zero, torch.tensor([[-0.0450, 0.0600]], dtype=torch.float64),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        g_beta - g_zero, torch.tensor([[-0.0450, 0.0600]], dtype=torch.float64), atol=1e-4, rtol=0
+    )
 
 
 def test_masking():
@@ -183,29 +268,53 @@ def test_masking():
 
 
 def test_zero_mask():
-    loss = nemo_loss([[-0.3, -1.2, -0.7]], PREV, [1.0], token_mask=[[0, 0, 0]], ref=[[-1.0, -0.5, -2.0]],
-                     reference_policy_kl_penalty=0.1)[0]
+    loss = nemo_loss(
+        [[-0.3, -1.2, -0.7]],
+        PREV,
+        [1.0],
+        token_mask=[[0, 0, 0]],
+        ref=[[-1.0, -0.5, -2.0]],
+        reference_policy_kl_penalty=0.1,
+    )[0]
     assert loss == 0.0
 
 
 def test_on_policy_kl_importance_sampling():
-    # NeMo's case sets use_on_policy_kl_approximation but reference_policy_kl_penalty 0: only the IS-weighted
-    # actor loss counts, -0.2065
-    loss = per_token_adv_loss(RATIO_CURR, PREV, ADV, gen=[[-0.5, -1.5, -0.8]], reference_policy_kl_penalty=0.0,
-                              use_importance_sampling_correction=True)[0]
+    # NeMo's case sets use_on_policy_kl_approximation but reference_policy_kl_penalty 0: only the
+    # IS-weighted actor loss counts, -0.2065
+    loss = per_token_adv_loss(
+        RATIO_CURR,
+        PREV,
+        ADV,
+        gen=[[-0.5, -1.5, -0.8]],
+        reference_policy_kl_penalty=0.0,
+        use_importance_sampling_correction=True,
+    )[0]
     assert loss == pytest.approx(-0.2065, rel=1e-3)
 
 
 @pytest.mark.parametrize("sequence_level", [True, False])
 def test_on_policy_truncated_importance_sampling(sequence_level):
-    kw = dict(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True,
-              truncated_importance_sampling_ratio=0.8, truncated_importance_sampling_type="tis")
+    kw = dict(
+        reference_policy_kl_penalty=0.0,
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_ratio=0.8,
+        truncated_importance_sampling_type="tis",
+    )
     gen = [[-0.5, -1.5, -0.8]]
     if sequence_level:
-        # GSPO's ratio 0.9086 lies inside the band and the weight is per sequence, so NeMo's per-token advantages
-        # enter as their mean: one response with A = mean_t A_t gives the same loss
-        loss = nemo_loss(RATIO_CURR, torch.tensor(PREV, dtype=torch.float64), [sum(ADV) / 3], gen=gen,
-                         sequence_level_importance_ratios=True, token_level_loss=False, **kw)[0]
+        # GSPO's ratio 0.9086 lies inside the band and the weight is per sequence, so NeMo's
+        # per-token advantages enter as their mean: one response with A = mean_t A_t gives the same
+        # loss
+        loss = nemo_loss(
+            RATIO_CURR,
+            torch.tensor(PREV, dtype=torch.float64),
+            [sum(ADV) / 3],
+            gen=gen,
+            sequence_level_importance_ratios=True,
+            token_level_loss=False,
+            **kw,
+        )[0]
         assert loss == pytest.approx(-0.4846, rel=1e-3)
     else:
         loss = per_token_adv_loss(RATIO_CURR, PREV, ADV, gen=gen, **kw)[0]
@@ -216,98 +325,177 @@ def test_icepop_importance_sampling():
     prev, gen = [[-1.0, -1.0, -1.0]], [[-0.5, -3.5, -0.8]]
     iw = [math.exp(p - g) for p, g in zip(prev[0], gen[0])]
     want = sum((w if 0.5 <= w <= 5.0 else 0.0) * -a for w, a in zip(iw, ADV)) / 3
-    loss = per_token_adv_loss(prev, prev, ADV, gen=gen, reference_policy_kl_penalty=0.0,
-                              use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
-                              truncated_importance_sampling_ratio=5.0, truncated_importance_sampling_ratio_min=0.5)[0]
+    loss = per_token_adv_loss(
+        prev,
+        prev,
+        ADV,
+        gen=gen,
+        reference_policy_kl_penalty=0.0,
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=5.0,
+        truncated_importance_sampling_ratio_min=0.5,
+    )[0]
     assert loss == pytest.approx(want, abs=1e-4, rel=1e-3)
 
 
 def test_reports_is_oob_ratio_tis():
     prev = [[0.0, math.log(3.0), math.log(0.5)]]
-    _, m, _ = nemo_loss([[0.0, 0.0, 0.0]], torch.tensor(prev, dtype=torch.float64), [1.0], gen=[[0.0, 0.0, 0.0]],
-                        reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True,
-                        truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0)
+    _, m, _ = nemo_loss(
+        [[0.0, 0.0, 0.0]],
+        torch.tensor(prev, dtype=torch.float64),
+        [1.0],
+        gen=[[0.0, 0.0, 0.0]],
+        reference_policy_kl_penalty=0.0,
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=2.0,
+    )
     assert float(m.is_oob / m.is_units) == pytest.approx(1 / 3)
 
 
 @pytest.mark.parametrize("kind", ["tis", "icepop", "seq-mask-tis"])
 def test_rejects_tis_min_above_max(kind):
-    assert "is_min <= is_cap" in grpo.config_error(grpo.LossConfig(is_correction=kind, is_cap=1.0, is_min=2.0))
+    assert "is_min <= is_cap" in grpo.config_error(
+        grpo.LossConfig(is_correction=kind, is_cap=1.0, is_min=2.0)
+    )
 
 
-@pytest.mark.parametrize("tis_min,weights,oob", [(None, [0.1, 1.0, 2.0], 1 / 3), (0.5, [0.5, 1.0, 2.0], 2 / 3)])
+@pytest.mark.parametrize(
+    "tis_min,weights,oob", [(None, [0.1, 1.0, 2.0], 1 / 3), (0.5, [0.5, 1.0, 2.0], 2 / 3)]
+)
 def test_tis_min_bound_defaults_to_zero(tis_min, weights, oob):
     curr = [[math.log(0.1), 0.0, math.log(3.0)]]
-    loss, m, _ = nemo_loss(curr, None, [1.0], gen=[[0.0, 0.0, 0.0]], reference_policy_kl_penalty=0.0,
-                           use_importance_sampling_correction=True, force_on_policy_ratio=True,
-                           truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0,
-                           truncated_importance_sampling_ratio_min=tis_min)
+    loss, m, _ = nemo_loss(
+        curr,
+        None,
+        [1.0],
+        gen=[[0.0, 0.0, 0.0]],
+        reference_policy_kl_penalty=0.0,
+        use_importance_sampling_correction=True,
+        force_on_policy_ratio=True,
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=2.0,
+        truncated_importance_sampling_ratio_min=tis_min,
+    )
     assert loss == pytest.approx(-sum(weights) / 3, rel=1e-6)
     assert float(m.is_oob / m.is_units) == pytest.approx(oob)
 
 
 def test_seq_mask_tis():
     prev, gen = [[-1.0, -1.0, -1.0]], [[-1.0005, -1.0005, -1.0005]]
-    kw = dict(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True,
-              truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=1.002,
-              truncated_importance_sampling_ratio_min=0.999)
-    # on-policy (ratio 1) with one weight exp(0.0005) on every token: NeMo's per-token advantages enter as their mean
-    loss = nemo_loss(prev, torch.tensor(prev, dtype=torch.float64), [sum(ADV) / 3], gen=gen, **kw)[0]
+    kw = dict(
+        reference_policy_kl_penalty=0.0,
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="seq-mask-tis",
+        truncated_importance_sampling_ratio=1.002,
+        truncated_importance_sampling_ratio_min=0.999,
+    )
+    # on-policy (ratio 1) with one weight exp(0.0005) on every token: NeMo's per-token advantages
+    # enter as their mean
+    loss = nemo_loss(prev, torch.tensor(prev, dtype=torch.float64), [sum(ADV) / 3], gen=gen, **kw)[
+        0
+    ]
     assert loss == pytest.approx(sum(math.exp(0.0005) * -a for a in ADV) / 3, abs=1e-4, rel=1e-3)
-    gen[0][2] = float("-inf")  # NeMo maps a -inf engine logprob's log ratio to 0: the loss stays finite
-    assert math.isfinite(nemo_loss(prev, torch.tensor(prev, dtype=torch.float64), [sum(ADV) / 3], gen=gen, **kw)[0])
+    gen[0][2] = float(
+        "-inf"
+    )  # NeMo maps a -inf engine logprob's log ratio to 0: the loss stays finite
+    assert math.isfinite(
+        nemo_loss(prev, torch.tensor(prev, dtype=torch.float64), [sum(ADV) / 3], gen=gen, **kw)[0]
+    )
 
 
 def test_dual_clip():
     prev, curr = [[-1.0, -1.0, -3.0]], [[-1.69315, -1.0, -0.69741]]
-    loss = per_token_adv_loss(curr, prev, [1.0, -1.0, -4.0], reference_policy_kl_penalty=0.0, ratio_clip_c=3.0)[0]
+    loss = per_token_adv_loss(
+        curr, prev, [1.0, -1.0, -4.0], reference_policy_kl_penalty=0.0, ratio_clip_c=3.0
+    )[0]
     assert loss == pytest.approx(4.1667, rel=1e-3)
 
 
 def test_entropy():
-    pytest.skip("NeMo's approx_entropy metric (-E[exp(logp - gen_logp) logp]); train.py logs the exact entropy")
+    pytest.skip(
+        "NeMo's approx_entropy metric (-E[exp(logp - gen_logp) logp]); train.py logs the exact "
+        "entropy"
+    )
 
 
 def test_gspo():
-    # one response, per-token advantages [1, -1, 2]; the ratio is per sequence and inside the band, so the loss is
-    # mean_t(-A_t) * s: with one advantage per response, A = mean_t A_t gives the same number
-    loss = nemo_loss(RATIO_CURR, torch.tensor(PREV, dtype=torch.float64), [sum(ADV) / 3], reference_policy_kl_penalty=0.0,
-                     sequence_level_importance_ratios=True, token_level_loss=False)[0]
+    # one response, per-token advantages [1, -1, 2]; the ratio is per sequence and inside the band,
+    # so the loss is mean_t(-A_t) * s: with one advantage per response, A = mean_t A_t gives the
+    # same number
+    loss = nemo_loss(
+        RATIO_CURR,
+        torch.tensor(PREV, dtype=torch.float64),
+        [sum(ADV) / 3],
+        reference_policy_kl_penalty=0.0,
+        sequence_level_importance_ratios=True,
+        token_level_loss=False,
+    )[0]
     assert loss == pytest.approx(-0.6057, rel=1e-3)
 
 
 def test_gspo_batch_size_2():
-    # row 2's ratio 2.4697 is clipped at 1.2 only where A > 0, so per-token advantages do not factor out:
-    # each of its tokens is a response of its own with the same sequence ratio (curr - prev = const per row)
+    # row 2's ratio 2.4697 is clipped at 1.2 only where A > 0, so per-token advantages do not factor
+    # out: each of its tokens is a response of its own with the same sequence ratio (curr - prev =
+    # const per row)
     curr = [RATIO_CURR[0], RATIO_CURR[0]]
     prev = torch.tensor([[-1.0] * 3, [-2.0] * 3], dtype=torch.float64)
-    row1 = nemo_loss(curr[:1], prev[:1], [sum(ADV) / 3], reference_policy_kl_penalty=0.0,
-                     sequence_level_importance_ratios=True, token_level_loss=False)[0]
+    row1 = nemo_loss(
+        curr[:1],
+        prev[:1],
+        [sum(ADV) / 3],
+        reference_policy_kl_penalty=0.0,
+        sequence_level_importance_ratios=True,
+        token_level_loss=False,
+    )[0]
     s2 = math.exp(sum(c - p for c, p in zip(curr[1], prev[1].tolist())) / 3)
     lp2 = math.log(s2) - 2.0  # three 1-token responses with ratio s2
-    row2 = nemo_loss([[lp2]] * 3, torch.full((3, 1), -2.0, dtype=torch.float64), ADV, reference_policy_kl_penalty=0.0,
-                     sequence_level_importance_ratios=True, token_level_loss=False)[0]
+    row2 = nemo_loss(
+        [[lp2]] * 3,
+        torch.full((3, 1), -2.0, dtype=torch.float64),
+        ADV,
+        reference_policy_kl_penalty=0.0,
+        sequence_level_importance_ratios=True,
+        token_level_loss=False,
+    )[0]
     assert (row1 + row2) / 2 == pytest.approx(-0.4912, rel=1e-3)
 
 
 def test_gspo_importance_sampling_correction():
-    loss = nemo_loss(RATIO_CURR, torch.tensor(PREV, dtype=torch.float64), [sum(ADV) / 3], gen=[[-0.5, -1.5, -0.8]],
-                     reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True,
-                     sequence_level_importance_ratios=True, token_level_loss=False)[0]
+    loss = nemo_loss(
+        RATIO_CURR,
+        torch.tensor(PREV, dtype=torch.float64),
+        [sum(ADV) / 3],
+        gen=[[-0.5, -1.5, -0.8]],
+        reference_policy_kl_penalty=0.0,
+        use_importance_sampling_correction=True,
+        sequence_level_importance_ratios=True,
+        token_level_loss=False,
+    )[0]
     assert loss == pytest.approx(-0.4959, rel=1e-3)
 
 
-# ---- advantages: NeMo's calculate_baseline_and_std_per_prompt (leave-one-out is its default) and estimator
+# ---- advantages: NeMo's calculate_baseline_and_std_per_prompt (leave-one-out is its default) and
+# estimator
 
 
 def test_baseline_and_std_basic():
-    b, s = grpo.group_baseline_and_std(torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), leave_one_out=True)
-    torch.testing.assert_close(b.flatten(), torch.tensor([2.5, 2.0, 1.5, 5.5, 5.0, 4.5]), rtol=1e-5, atol=0)
-    torch.testing.assert_close(s.flatten(), torch.tensor([0.707107, 1.414214, 0.707107] * 2), rtol=1e-5, atol=0)
+    b, s = grpo.group_baseline_and_std(
+        torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), leave_one_out=True
+    )
+    torch.testing.assert_close(
+        b.flatten(), torch.tensor([2.5, 2.0, 1.5, 5.5, 5.0, 4.5]), rtol=1e-5, atol=0
+    )
+    torch.testing.assert_close(
+        s.flatten(), torch.tensor([0.707107, 1.414214, 0.707107] * 2), rtol=1e-5, atol=0
+    )
 
 
 def test_baseline_and_std_single_generation_per_prompt():
-    pytest.skip("G = 1: NeMo sets baseline = reward; grpo.py rejects G < 2 (train.py's --group-size check)")
+    pytest.skip(
+        "G = 1: NeMo sets baseline = reward; grpo.py rejects G < 2 (train.py's --group-size check)"
+    )
 
 
 def test_baseline_and_std_identical_rewards():
@@ -334,22 +522,32 @@ def test_baseline_and_std_cuda_compatibility():
 
 
 def test_baseline_and_std_numerical_precision():
-    b, s = grpo.group_baseline_and_std(torch.tensor([[1e-8, 2e-8, 3e-8], [1e8, 2e8, 3e8]]), leave_one_out=True)
-    torch.testing.assert_close(b.flatten(), torch.tensor([2.5e-8, 2e-8, 1.5e-8, 2.5e8, 2e8, 1.5e8]), rtol=1e-5, atol=0)
+    b, s = grpo.group_baseline_and_std(
+        torch.tensor([[1e-8, 2e-8, 3e-8], [1e8, 2e8, 3e8]]), leave_one_out=True
+    )
+    torch.testing.assert_close(
+        b.flatten(), torch.tensor([2.5e-8, 2e-8, 1.5e-8, 2.5e8, 2e8, 1.5e8]), rtol=1e-5, atol=0
+    )
     assert torch.isfinite(s).all()
 
 
-def _grpo_adv(rewards):  # NeMo's GRPOAdvantageEstimator with use_leave_one_out_baseline=False, normalize_rewards=True
+def _grpo_adv(
+    rewards,
+):  # NeMo's GRPOAdvantageEstimator with use_leave_one_out_baseline=False, normalize_rewards=True
     return grpo.group_advantages(torch.tensor([rewards]), leave_one_out=False, scale="group")[0]
 
 
 def test_estimator_zero_std():
     assert _grpo_adv([2.0, 2.0]).abs().max() == 0
-    torch.testing.assert_close(_grpo_adv([1.0, 3.0]), torch.tensor([-0.5**0.5, 0.5**0.5]), rtol=1e-4, atol=0)
+    torch.testing.assert_close(
+        _grpo_adv([1.0, 3.0]), torch.tensor([-(0.5**0.5), 0.5**0.5]), rtol=1e-4, atol=0
+    )
 
 
 def test_estimator_tensor_shapes():
-    torch.testing.assert_close(_grpo_adv([1.0, 3.0]), torch.tensor([-0.5**0.5, 0.5**0.5]), rtol=1e-4, atol=0)
+    torch.testing.assert_close(
+        _grpo_adv([1.0, 3.0]), torch.tensor([-(0.5**0.5), 0.5**0.5]), rtol=1e-4, atol=0
+    )
     assert abs(float(_grpo_adv([float(i) for i in range(10)]).mean())) < 1e-5
 
 
@@ -369,7 +567,7 @@ def test_estimator_small_nonzero_std():
 
 
 def test_reinforce_plus_plus_global_normalization():
-    # NeMo's Reinforce++: group-mean baseline, then the batch's mean and std; its assertions hold for --adv-scale
-    # batch (which divides by the rewards' batch std and does not re-centre)
+    # NeMo's Reinforce++: group-mean baseline, then the batch's mean and std; its assertions hold
+    # for --adv-scale batch (which divides by the rewards' batch std and does not re-centre)
     a = grpo.group_advantages(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), scale="batch")[0]
     assert abs(float(a.mean())) < 1e-5 and a[0] < a[1] < a[2] < a[3]

@@ -1,6 +1,6 @@
-"""reward.py over a table of written cases: equal values in many forms score 1, wrong or malformed ones 0, and
-hostile inputs finish fast without raising; --answer last-number on real responses of SmolLM2-135M
-(tests/fixtures/smollm2_add.json), each scored by hand."""
+"""reward.py over a table of written cases: equal values in many forms score 1, wrong or malformed
+ones 0, and hostile inputs finish fast without raising; --answer last-number on real responses of
+SmolLM2-135M (tests/fixtures/smollm2_add.json), each scored by hand."""
 
 import json
 import time
@@ -109,8 +109,9 @@ def test_wrong_or_malformed_answers_score_zero(response, gold):
     assert reward.math_reward(response, gold) == 0.0
 
 
-# math_reward makes three calls that each stop at its timeout_s (1 s): parse the response, parse the gold answer,
-# verify. A response that takes longer than all three limits (plus a second for a busy machine) got past them.
+# math_reward makes three calls that each stop at its timeout_s (1 s): parse the response, parse the
+# gold answer, verify. A response that takes longer than all three limits (plus a second for a busy
+# machine) got past them.
 TIME_LIMIT_S = 3 * 1 + 1
 
 
@@ -140,9 +141,12 @@ def test_exact_reward():
     assert reward.exact_reward(None, "16") == 0.0  # never raises
 
 
-# --answer last-number: real responses of the 135M model, each read and scored by hand (the fixture's "about" says
-# how they were generated); the test fails when the extraction or the scoring of any of them changes.
-SMOLLM2 = json.loads((Path(__file__).parent / "fixtures" / "smollm2_add.json").read_text())["samples"]
+# --answer last-number: real responses of the 135M model, each read and scored by hand (the
+# fixture's "about" says how they were generated); the test fails when the extraction or the scoring
+# of any of them changes.
+SMOLLM2 = json.loads((Path(__file__).parent / "fixtures" / "smollm2_add.json").read_text())[
+    "samples"
+]
 
 
 @pytest.mark.parametrize("case", SMOLLM2, ids=[str(c["sample"]) for c in SMOLLM2])
@@ -154,13 +158,17 @@ def test_real_small_model_responses_score_as_read_by_hand(case):
 
 
 def test_the_fixtures_hold_both_kinds_of_cases():
-    # the right answers in prose, the empty and the wrong boxes and a response with no number are all there
+    # the right answers in prose, the empty and the wrong boxes and a response with no number are
+    # all there
     assert sum(c["last_number"] for c in SMOLLM2) >= 5 and sum(c["boxed"] for c in SMOLLM2) == 0
     assert any("\\boxed{}" in c["response"] and c["last_number"] == 1.0 for c in SMOLLM2)
-    assert any(reward.last_boxed(c["response"]) for c in SMOLLM2) and any(c["final_answer"] is None for c in SMOLLM2)
+    assert any(reward.last_boxed(c["response"]) for c in SMOLLM2) and any(
+        c["final_answer"] is None for c in SMOLLM2
+    )
 
 
-LAST_NUMBER = [  # (response, gold, score under --answer last-number): the rule's edges, written by hand
+# (response, gold, score under --answer last-number): the rule's edges, written by hand
+LAST_NUMBER = [
     ("84 + 50 = 134.", "134", 1.0),
     ("84 + 50 = 134. Then 134 - 50 = 84", "134", 0.0),  # the last number written, not the one meant
     ("The sum is 1,234.", "1234", 1.0),  # thousands separators

@@ -1,4 +1,5 @@
-"""rollout.py: the real vLLM engine against the trainer's logprobs (before and after refit) and the HF engine."""
+"""rollout.py: the real vLLM engine against the trainer's logprobs (before and after refit) and the
+HF engine."""
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ def prompts_of(tok, n=64):
 def trainer_logprobs(m, prompts, samples):
     b = train.make_batch(prompts, samples, torch.zeros(len(samples)), False, 0)
     with torch.no_grad():
-        lp, _ = model.token_logprobs(m, b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1])
+        lp, _ = model.token_logprobs(
+            m, b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1]
+        )
     return lp, b.gen_logp, b.resp_mask
 
 
@@ -73,16 +76,26 @@ def test_hf_engine_logprobs_match_trainer_after_refit(tiny_path, tok):
 
 
 def test_hf_engine_logprobs_are_those_of_the_sampling_temperature(tiny_path, tok):
-    # logprobs are recorded step by step while generate runs (not kept as [N, t, V] logits): each must belong to
-    # the token sampled at that step, at the temperature sampled from
+    # logprobs are recorded step by step while generate runs (not kept as [N, t, V] logits): each
+    # must belong to the token sampled at that step, at the temperature sampled from
     prompts = prompts_of(tok, 32)
-    samples = rollout.HFEngine(tiny_path).generate(prompts, n=2, max_tokens=2, temperature=0.7, seed=0)
+    samples = rollout.HFEngine(tiny_path).generate(
+        prompts, n=2, max_tokens=2, temperature=0.7, seed=0
+    )
     b = train.make_batch([p for p in prompts], samples, torch.zeros(len(samples)), False, 0)
     with torch.no_grad():
-        lp, _ = model.token_logprobs(model.load_model(tiny_path), b.input_ids, b.attention_mask, b.resp_start,
-                                     b.resp_mask.shape[1], temperature=0.7)
+        lp, _ = model.token_logprobs(
+            model.load_model(tiny_path),
+            b.input_ids,
+            b.attention_mask,
+            b.resp_start,
+            b.resp_mask.shape[1],
+            temperature=0.7,
+        )
     assert float(((lp - b.gen_logp).abs() * b.resp_mask).max()) < 1e-4
-    assert any(not s.truncated for s in samples) and any(s.truncated for s in samples)  # both ends covered
+    assert any(not s.truncated for s in samples) and any(
+        s.truncated for s in samples
+    )  # both ends covered
 
 
 @pytest.mark.parametrize("which", ["hf", "vllm"])
@@ -90,7 +103,9 @@ def test_min_tokens_masks_eos_until_then(which, vllm_engine, tiny_path, tok):
     engine = vllm_engine if which == "vllm" else rollout.HFEngine(tiny_path)
     prompts = prompts_of(tok, 8)
     free = engine.generate(prompts, n=2, max_tokens=12, seed=0)
-    assert any(len(s.token_ids) < 12 for s in free)  # the tiny model answers in a few tokens, then stops
+    assert any(
+        len(s.token_ids) < 12 for s in free
+    )  # the tiny model answers in a few tokens, then stops
     forced = engine.generate(prompts, n=2, max_tokens=12, min_tokens=12, seed=0)
     assert all(len(s.token_ids) == 12 and len(s.logprobs) == 12 for s in forced)
 
@@ -116,8 +131,9 @@ def test_full_weights_streams_every_tensor_once_in_bounded_buckets(tiny_path):
 
 
 def shifted_pairs_equal(samples, n):
-    """How many samples of prompt 1 repeat prompt 0's sample one child earlier: (1, j-1) == (0, j). Seeding prompt
-    i with s + i, while vLLM seeds child j of a request with seed + j, makes every such pair one stream."""
+    """How many samples of prompt 1 repeat prompt 0's sample one child earlier: (1, j-1) == (0, j).
+    Seeding prompt i with s + i, while vLLM seeds child j of a request with seed + j, makes every
+    such pair one stream."""
     a, b = [s.token_ids for s in samples[:n]], [s.token_ids for s in samples[n : 2 * n]]
     return sum(a[j] == b[j - 1] for j in range(1, n))
 
@@ -127,23 +143,31 @@ def test_neighbouring_prompts_never_share_a_random_stream(vllm_engine, tok, firs
     # two copies of one prompt, flattened sampling (T = 2) for 24 tokens: independent samples are
     # all distinct; samples that share a stream are identical
     p = prompts_of(tok, 1)[0]
-    samples = vllm_engine.generate([p, p], n=4, max_tokens=24, temperature=2.0, min_tokens=24, seed=7,
-                                   first_index=first_index)
+    samples = vllm_engine.generate(
+        [p, p], n=4, max_tokens=24, temperature=2.0, min_tokens=24, seed=7, first_index=first_index
+    )
     assert shifted_pairs_equal(samples, 4) == 0
     assert len({tuple(s.token_ids) for s in samples}) == 8
-    again = vllm_engine.generate([p, p], n=4, max_tokens=24, temperature=2.0, min_tokens=24, seed=7,
-                                   first_index=first_index)
+    again = vllm_engine.generate(
+        [p, p], n=4, max_tokens=24, temperature=2.0, min_tokens=24, seed=7, first_index=first_index
+    )
     assert [s.token_ids for s in again] == [s.token_ids for s in samples]  # seeded: reproducible
 
 
 def test_per_prompt_streams_do_not_depend_on_the_split(vllm_engine, tok):
-    # what one engine draws for prompts [a, b] is what two engines draw for [a] (index 0) and [b] (index 1), and a
-    # prompt at another index (another rank's share) draws other samples
+    # what one engine draws for prompts [a, b] is what two engines draw for [a] (index 0) and [b]
+    # (index 1), and a prompt at another index (another rank's share) draws other samples
     a, b = prompts_of(tok, 2)
-    both = vllm_engine.generate([a, b], n=3, max_tokens=16, temperature=2.0, min_tokens=16, seed=3, first_index=0)
-    alone = vllm_engine.generate([b], n=3, max_tokens=16, temperature=2.0, min_tokens=16, seed=3, first_index=1)
+    both = vllm_engine.generate(
+        [a, b], n=3, max_tokens=16, temperature=2.0, min_tokens=16, seed=3, first_index=0
+    )
+    alone = vllm_engine.generate(
+        [b], n=3, max_tokens=16, temperature=2.0, min_tokens=16, seed=3, first_index=1
+    )
     assert [s.token_ids for s in alone] == [s.token_ids for s in both[3:]]
-    elsewhere = vllm_engine.generate([b], n=3, max_tokens=16, temperature=2.0, min_tokens=16, seed=3, first_index=0)
+    elsewhere = vllm_engine.generate(
+        [b], n=3, max_tokens=16, temperature=2.0, min_tokens=16, seed=3, first_index=0
+    )
     assert all(x.token_ids != y.token_ids for x, y in zip(elsewhere, alone))
 
 
@@ -152,12 +176,16 @@ def each_response_gets_what_its_prompt_leaves(engine, tok):
     short = prompts_of(tok, 1)[0]
     prompts = [short, short + short[1:]]  # two lengths: two budgets
     caps = [train.budget(cfg, p) for p in prompts]
-    samples = engine.generate(prompts, n=2, max_tokens=caps, min_tokens=48, seed=0)  # EOS held back: full length
+    samples = engine.generate(
+        prompts, n=2, max_tokens=caps, min_tokens=48, seed=0
+    )  # EOS held back: full length
     for s in samples:
         assert len(prompts[s.prompt_idx]) + len(s.token_ids) == cfg.max_seq_len and s.truncated
         assert len(s.logprobs) == len(s.token_ids)
     capped = train.Config(max_seq_len=48, max_new_tokens=5)
-    assert {train.budget(capped, p) for p in prompts} == {5}  # max_new_tokens still caps a short prompt's room
+    assert {train.budget(capped, p) for p in prompts} == {
+        5
+    }  # max_new_tokens still caps a short prompt's room
 
 
 def test_each_response_gets_what_its_prompt_leaves_vllm(vllm_engine, tok):
@@ -169,8 +197,12 @@ def test_each_response_gets_what_its_prompt_leaves_hf(tiny_path, tok):
 
 
 def test_the_deepscaler_presets_give_each_response_what_its_prompt_leaves():
-    # NeMo-RL caps each request at max_model_len - its prompt's length: a 150-token prompt at 8K gets 8,042
+    # NeMo-RL caps each request at max_model_len - its prompt's length: a 150-token prompt at 8K
+    # gets 8,042
     for stage, total in ((1, 8192), (2, 16384), (3, 24576)):
         cfg = train.parse_args(["--stage", str(stage), "--data", "x"])
-        assert train.budget(cfg, [0] * 150) == total - 150 and train.budget(cfg, [0] * 1024) == total - 1024
+        assert (
+            train.budget(cfg, [0] * 150) == total - 150
+            and train.budget(cfg, [0] * 1024) == total - 1024
+        )
         assert train.prompt_limit(cfg) == 1024

@@ -1,6 +1,7 @@
-"""`make`'s checks before it installs anything (tools/check_setup.sh): the interpreter's version and, on a GPU machine,
-the NVIDIA driver. Each runs the real Makefile with `make -n` in a copy of it, with a stand-in interpreter or
-nvidia-smi first on PATH, so nothing is ever created or downloaded, even where a check would wrongly pass."""
+"""`make`'s checks before it installs anything (tools/check_setup.sh): the interpreter's version
+and, on a GPU machine, the NVIDIA driver. Each runs the real Makefile with `make -n` in a copy of
+it, with a stand-in interpreter or nvidia-smi first on PATH, so nothing is ever created or
+downloaded, even where a check would wrongly pass."""
 
 import os
 import shutil
@@ -21,8 +22,8 @@ def script(path: Path, body: str) -> Path:
 
 
 def make_n(tmp_path: Path, python: str, driver: str | None) -> subprocess.CompletedProcess:
-    """`make -n demo` in a copy of the Makefile with PYTHON=python; driver: what a stand-in nvidia-smi reports
-    (None: no nvidia-smi at all, a CPU machine)."""
+    """`make -n demo` in a copy of the Makefile with PYTHON=python; driver: what a stand-in
+    nvidia-smi reports (None: no nvidia-smi at all, a CPU machine)."""
     for f in ("Makefile", "tools/check_setup.sh", "requirements.txt", "requirements-cpu.txt"):
         (tmp_path / f).parent.mkdir(exist_ok=True)
         shutil.copy(ROOT / f, tmp_path / f)
@@ -30,11 +31,22 @@ def make_n(tmp_path: Path, python: str, driver: str | None) -> subprocess.Comple
     bin_dir.mkdir()
     path = os.environ["PATH"]
     if driver is not None:
-        script(bin_dir / "nvidia-smi", f'case "$*" in -L) echo "GPU 0: stand-in";; *) echo "{driver}";; esac')
+        script(
+            bin_dir / "nvidia-smi",
+            f'case "$*" in -L) echo "GPU 0: stand-in";; *) echo "{driver}";; esac',
+        )
     else:  # hide a real nvidia-smi: PATH keeps only the folders without one
-        path = os.pathsep.join(d for d in path.split(os.pathsep) if not (Path(d) / "nvidia-smi").exists())
-    return subprocess.run(["make", "-n", "demo", f"PYTHON={python}"], cwd=tmp_path, capture_output=True, text=True,
-                          env=dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{path}"), timeout=60)
+        path = os.pathsep.join(
+            d for d in path.split(os.pathsep) if not (Path(d) / "nvidia-smi").exists()
+        )
+    return subprocess.run(
+        ["make", "-n", "demo", f"PYTHON={python}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{path}"),
+        timeout=60,
+    )
 
 
 def test_python_3_10_stops_make_with_one_line_naming_the_interpreter_to_pass(tmp_path):

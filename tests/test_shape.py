@@ -1,6 +1,7 @@
-"""The 1.5B shape (`--model r1-shape`, `python tools/bench.py shape`): R1-Distill-Qwen-1.5B's config.json value for value,
-a tokenizer that decodes every one of its 151,936 ids after a save and load, a small build of the same shape, and
-the bench's prompts of an exact length. No vLLM engine, torchrun or training process: seconds."""
+"""The 1.5B shape (`--model r1-shape`, `python tools/bench.py shape`): R1-Distill-Qwen-1.5B's
+config.json value for value, a tokenizer that decodes every one of its 151,936 ids after a save and
+load, a small build of the same shape, and the bench's prompts of an exact length. No vLLM engine,
+torchrun or training process: seconds."""
 
 import json
 import random
@@ -15,14 +16,27 @@ from demo import bases
 from tools import bench
 import data
 
-# deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B's config.json, the fields its shape and numerics depend on (the hub's
-# file says "rope_theta": 10000; transformers 5 keeps it under rope_parameters)
+# deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B's config.json, the fields its shape and numerics depend
+# on (the hub's file says "rope_theta": 10000; transformers 5 keeps it under rope_parameters)
 HUB_CONFIG = {
-    "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-    "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02,
-    "bos_token_id": 151643, "eos_token_id": 151643, "use_sliding_window": False, "sliding_window": None,
-    "max_window_layers": 21, "attention_dropout": 0.0,
+    "model_type": "qwen2",
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "max_window_layers": 21,
+    "attention_dropout": 0.0,
 }
 
 
@@ -40,14 +54,20 @@ def r1_tok():
 
 def test_r1_tokenizer_decodes_every_id_after_save_and_load(r1_tok, tmp_path):
     r1_tok.save_pretrained(tmp_path)
-    bases.r1_shape_config(2).save_pretrained(tmp_path)  # as in the checkpoint: loaded as Qwen2Tokenizer
+    bases.r1_shape_config(2).save_pretrained(
+        tmp_path
+    )  # as in the checkpoint: loaded as Qwen2Tokenizer
     tok = AutoTokenizer.from_pretrained(tmp_path)
     assert type(tok).__name__ == "Qwen2Tokenizer" and len(tok) == bases.R1_VOCAB
     assert tok.eos_token_id == tok.pad_token_id == HUB_CONFIG["eos_token_id"]
     tokens = tok.convert_ids_to_tokens(list(range(bases.R1_VOCAB)))
-    assert None not in tokens and len(set(tokens)) == bases.R1_VOCAB  # every id is a token of its own
+    assert (
+        None not in tokens and len(set(tokens)) == bases.R1_VOCAB
+    )  # every id is a token of its own
     rng = random.Random(0)
-    ids = [0, 255, 256, 151642, 151643, 151935] + [rng.randrange(bases.R1_VOCAB) for _ in range(5000)]
+    ids = [0, 255, 256, 151642, 151643, 151935] + [
+        rng.randrange(bases.R1_VOCAB) for _ in range(5000)
+    ]
     for skip in (False, True):
         assert isinstance(tok.decode(ids, skip_special_tokens=skip), str)
     assert all(isinstance(tok.decode([i]), str) for i in ids[:500])
@@ -60,7 +80,8 @@ def test_r1_tokenizer_decodes_every_id_after_save_and_load(r1_tok, tmp_path):
 
 
 def test_r1_shape_builds_a_real_checkpoint(tmp_path):
-    """The same builder at 1 layer and a 2048-token vocabulary: bf16 on disk, HF's init, untied, loadable."""
+    """The same builder at 1 layer and a 2048-token vocabulary: bf16 on disk, HF's init, untied,
+    loadable."""
     path = bases.ensure_r1_shape_base(tmp_path, layers=1, vocab_size=2048)
     assert bases.ensure_r1_shape_base(tmp_path, layers=1, vocab_size=2048) == path  # cached
     with safe_open(f"{path}/model.safetensors", "pt") as f:
@@ -77,6 +98,8 @@ def test_bench_shape_prompts_are_exactly_as_long_as_asked(r1_tok, tmp_path):
     cfg = bench.ShapeConfig(prompt_tokens=300, response_tokens=8, eval_problems=3)
     lens = bench.write_problems(r1_tok, tmp_path, cfg)
     problems = data.load_problems(str(tmp_path / "problems.jsonl"))
-    assert lens == [300] * len(problems) and len(problems) == cfg.prompts_per_step * (cfg.steps + cfg.resume_steps)
+    assert lens == [300] * len(problems) and len(problems) == cfg.prompts_per_step * (
+        cfg.steps + cfg.resume_steps
+    )
     assert [len(data.math_prompt(r1_tok, p.prompt)) for p in problems] == lens
     assert len(data.load_problems(str(tmp_path / "eval_problems.jsonl"))) == 3

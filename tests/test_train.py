@@ -1,4 +1,5 @@
-"""train.py end to end with the real vLLM engine and the tiny base model: a short GRPO run must learn."""
+"""train.py end to end with the real vLLM engine and the tiny base model: a short GRPO run must
+learn."""
 
 import json
 import math
@@ -18,9 +19,28 @@ import train
 from checks import UserError
 from runtime import config
 
-METRIC_KEYS = {"reward_mean", "response_len_mean", "loss", "clip_frac_low", "clip_frac_high", "kl", "entropy",
-               "token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error", "is_oob_frac", "time_generate", "time_score", "time_logprobs", "time_update", "time_refit",
-               "tokens_per_s", "truncated_frac", "zero_var_group_frac"}
+METRIC_KEYS = {
+    "reward_mean",
+    "response_len_mean",
+    "loss",
+    "clip_frac_low",
+    "clip_frac_high",
+    "kl",
+    "entropy",
+    "token_mult_prob_error",
+    "gen_kl_error",
+    "policy_kl_error",
+    "js_divergence_error",
+    "is_oob_frac",
+    "time_generate",
+    "time_score",
+    "time_logprobs",
+    "time_update",
+    "time_refit",
+    "tokens_per_s",
+    "truncated_frac",
+    "zero_var_group_frac",
+}
 
 
 @pytest.mark.cpu_numerics
@@ -33,7 +53,9 @@ def test_short_grpo_run_raises_heldout_reward(vllm_engine, tmp_path):
     assert last >= first + 0.2, (first, last)
     for r in rows[1:]:
         assert METRIC_KEYS <= r.keys()
-        assert r["token_mult_prob_error"] < 1.001  # float32 engine and trainer agree after every refit
+        assert (
+            r["token_mult_prob_error"] < 1.001
+        )  # float32 engine and trainer agree after every refit
     assert rows[-1]["reward_mean"] > rows[1]["reward_mean"]
     # the final weights are a loadable HF checkpoint
     m = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
@@ -42,8 +64,18 @@ def test_short_grpo_run_raises_heldout_reward(vllm_engine, tmp_path):
 
 @pytest.mark.cpu_numerics
 def test_hf_engine_runs_the_same_loop(tmp_path):
-    cfg = config(train.Config, engine="hf", steps=3, eval_every=0, prompts_per_step=8, group_size=4,
-                 minibatch_size=16, out_dir=str(tmp_path), quiet=True, save_final=False)
+    cfg = config(
+        train.Config,
+        engine="hf",
+        steps=3,
+        eval_every=0,
+        prompts_per_step=8,
+        group_size=4,
+        minibatch_size=16,
+        out_dir=str(tmp_path),
+        quiet=True,
+        save_final=False,
+    )
     rows = train.train(cfg)["history"]
     assert len(rows) == 4 and all(0.0 <= r["reward_mean"] <= 1.0 for r in rows[1:])
     # two minibatches: old logprobs come from a pass of their own and must still match the engine
@@ -68,46 +100,72 @@ def test_bad_flags_fail_with_one_line_before_any_model_loads(monkeypatch, tmp_pa
 
     monkeypatch.setattr(model, "load_model", no_load)
     monkeypatch.setattr(bases, "ensure_tiny_base", no_load)
-    for flags, needle in [(dict(group_size=1), "--group-size 1"), (dict(prompts_per_step=0), "--prompts-per-step 0"),
-                          (dict(lr=0.0), "--lr 0.0"), (dict(max_new_tokens=64), "--max-new-tokens 64"),
-                          (dict(minibatch_size=10_000), "--minibatch-size 10000"),
-                          (dict(model=str(tmp_path / "nope")), "--model"),
-                          (dict(answer="last-number"), "--answer last-number: chooses how the math task's reward")]:
+    for flags, needle in [
+        (dict(group_size=1), "--group-size 1"),
+        (dict(prompts_per_step=0), "--prompts-per-step 0"),
+        (dict(lr=0.0), "--lr 0.0"),
+        (dict(max_new_tokens=64), "--max-new-tokens 64"),
+        (dict(minibatch_size=10_000), "--minibatch-size 10000"),
+        (dict(model=str(tmp_path / "nope")), "--model"),
+        (dict(answer="last-number"), "--answer last-number: chooses how the math task's reward"),
+    ]:
         with pytest.raises(UserError) as e:
             train.train(config(train.Config, out_dir=str(tmp_path), **flags))
         assert needle in str(e.value) and "\n" not in str(e.value)
 
 
 def test_answer_flag_chooses_how_the_math_reward_reads_answers(tmp_path):
-    # --answer reaches the run's reward: a response in prose scores only under last-number, a boxed one under both
+    # --answer reaches the run's reward: a response in prose scores only under last-number, a boxed
+    # one under both
     problems = tmp_path / "add.jsonl"
     problems.write_text('{"problem": "What is 84 + 50?", "answer": "134"}\n')
     for answer, prose in (("boxed", 0.0), ("last-number", 1.0)):
-        cfg = config(train.Config, task="math", data=str(problems), val_data=str(problems), model="smollm2",
-                     answer=answer, max_seq_len=160, max_new_tokens=96, out_dir=str(tmp_path))
+        cfg = config(
+            train.Config,
+            task="math",
+            data=str(problems),
+            val_data=str(problems),
+            model="smollm2",
+            answer=answer,
+            max_seq_len=160,
+            max_new_tokens=96,
+            out_dir=str(tmp_path),
+        )
         task = train.load_task(cfg)
         assert task.reward_fn("84 + 50 = 134.", "134") == prose, answer
         assert task.reward_fn("So \\boxed{134}, from 84 + 50", "134") == 1.0, answer
 
 
-def test_a_run_that_cannot_fit_in_memory_stops_with_one_line_naming_flags_before_any_model_loads(monkeypatch,
-                                                                                               tmp_path):
-    # 64 x 64 sequences of 4,096 tokens in one micro-batch: about 28 TB of activations even for the tiny model
+def test_a_run_that_cannot_fit_in_memory_stops_with_one_line_naming_flags_before_any_model_loads(
+    monkeypatch, tmp_path
+):
+    # 64 x 64 sequences of 4,096 tokens in one micro-batch: about 28 TB of activations even for the
+    # tiny model
     if torch.cuda.is_available():
         pytest.skip("the memory check is CPU's (GPU runs are sized by --gpu-memory-utilization)")
-    model.resolve("tiny")  # built here if it is not yet: the check reads its config.json, never its weights
+    model.resolve(
+        "tiny"
+    )  # built here if it is not yet: the check reads its config.json, never its weights
 
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the memory check")
 
     monkeypatch.setattr(model, "load_model", no_load)
-    flags = dict(out_dir=str(tmp_path), prompts_per_step=64, group_size=64, max_seq_len=4096, max_new_tokens=8,
-                 micro_batch_tokens=10**8)
+    flags = dict(
+        out_dir=str(tmp_path),
+        prompts_per_step=64,
+        group_size=64,
+        max_seq_len=4096,
+        max_new_tokens=8,
+        micro_batch_tokens=10**8,
+    )
     with pytest.raises(UserError) as e:
         train.train(config(train.Config, **flags))
     msg = str(e.value)
     assert msg.startswith("memory: this run needs about") and "\n" not in msg, msg
-    assert "--micro-batch-tokens" in msg and "--no-memory-check" in msg, msg  # a budget of one sequence fits
+    assert "--micro-batch-tokens" in msg and "--no-memory-check" in msg, (
+        msg
+    )  # a budget of one sequence fits
     need = float(msg.split("needs about ")[1].split(" GiB")[0])
     assert need > 1000, msg
 
@@ -116,8 +174,16 @@ def test_kl_to_reference_starts_at_zero_and_grows(vllm_engine, tmp_path, monkeyp
     loads = []
     real_load = model.load_model
     monkeypatch.setattr(model, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
-    cfg = config(train.Config, steps=12, eval_every=0, kl_beta=0.05, lr=1e-3, out_dir=str(tmp_path), quiet=True,
-                 save_final=False)
+    cfg = config(
+        train.Config,
+        steps=12,
+        eval_every=0,
+        kl_beta=0.05,
+        lr=1e-3,
+        out_dir=str(tmp_path),
+        quiet=True,
+        save_final=False,
+    )
     rows = train.train(cfg, engine=vllm_engine)["history"][1:]
     assert len(loads) == 2  # the policy and the frozen reference
     assert rows[0]["kl"] == 0.0  # the first step's policy is the reference
@@ -128,28 +194,53 @@ def test_beta_zero_loads_no_reference_model(vllm_engine, tmp_path, monkeypatch):
     loads = []
     real_load = model.load_model
     monkeypatch.setattr(model, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
-    rows = train.train(config(train.Config, steps=1, eval_every=0, out_dir=str(tmp_path), quiet=True,
-                              save_final=False), engine=vllm_engine)["history"]
+    rows = train.train(
+        config(
+            train.Config, steps=1, eval_every=0, out_dir=str(tmp_path), quiet=True, save_final=False
+        ),
+        engine=vllm_engine,
+    )["history"]
     assert len(loads) == 1 and rows[1]["kl"] == 0.0
 
 
 def test_dynamic_sampling_trains_only_on_informative_groups(vllm_engine, tmp_path):
-    cfg = config(train.Config, steps=3, eval_every=0, dynamic_sampling=True, dynamic_sampling_max_tries=6,
-                 out_dir=str(tmp_path), quiet=True, save_final=False)
+    cfg = config(
+        train.Config,
+        steps=3,
+        eval_every=0,
+        dynamic_sampling=True,
+        dynamic_sampling_max_tries=6,
+        out_dir=str(tmp_path),
+        quiet=True,
+        save_final=False,
+    )
     rows = train.train(cfg, engine=vllm_engine)["history"][1:]
     for r in rows:
         assert r["zero_var_group_frac"] > 0  # some groups were generated without signal...
         assert r["generation_rounds"] >= 2  # ...so more prompts were drawn...
-        # ...and every kept group has signal: each has advantages of sample std 1, so their population std over
-        # all sequences is sqrt((G-1)/G); a single zero-variance group among the 32 would give 0.920
+        # ...and every kept group has signal: each has advantages of sample std 1, so their
+        # population std over all sequences is sqrt((G-1)/G); a single zero-variance group among the
+        # 32 would give 0.920
         assert r["adv_std"] == pytest.approx(math.sqrt(7 / 8), abs=2e-3)
 
 
-def test_logged_means_count_every_sequence_even_when_overlong_filtering_masks_them(vllm_engine, tmp_path):
-    # max_new_tokens=1: every response is truncated, so overlong filtering leaves no sequence in the loss; the
-    # step's logged means must still be over all its sequences (the loss's own counts once overwrote them)
-    cfg = config(train.Config, steps=1, eval_every=0, max_new_tokens=1, overlong_filter=True, out_dir=str(tmp_path),
-                 quiet=True, save_final=False, checkpoint_every=0)
+def test_logged_means_count_every_sequence_even_when_overlong_filtering_masks_them(
+    vllm_engine, tmp_path
+):
+    # max_new_tokens=1: every response is truncated, so overlong filtering leaves no sequence in the
+    # loss; the step's logged means must still be over all its sequences (the loss's own counts once
+    # overwrote them)
+    cfg = config(
+        train.Config,
+        steps=1,
+        eval_every=0,
+        max_new_tokens=1,
+        overlong_filter=True,
+        out_dir=str(tmp_path),
+        quiet=True,
+        save_final=False,
+        checkpoint_every=0,
+    )
     row = train.train(cfg, engine=vllm_engine)["history"][1]
     assert row["truncated_frac"] == 1.0 and row["response_len_mean"] == 1.0
     assert 0.0 <= row["reward_mean"] <= 1.0 and row["loss"] == 0.0
@@ -157,39 +248,72 @@ def test_logged_means_count_every_sequence_even_when_overlong_filtering_masks_th
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dtype_flag_sets_the_training_compute_on_cpu(tiny_path, dtype):
-    """--dtype bfloat16 on CPU computes the trainer's forward in bf16 (autocast over float32 weights) in GRPO and
-    DPO alike; float32 stays float32. Both against an independent float64 forward of the same model."""
+    """--dtype bfloat16 on CPU computes the trainer's forward in bf16 (autocast over float32
+    weights) in GRPO and DPO alike; float32 stays float32. Both against an independent float64
+    forward of the same model."""
     lm = model.load_model(tiny_path)  # float32 master weights in either case
     seen = []
-    lm.model.layers[0].mlp.down_proj.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    lm.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda mod, inp, out: seen.append(out.dtype)
+    )
     g = torch.Generator().manual_seed(0)
-    prompt, resp = torch.randint(3, 90, (4, 6), generator=g), torch.randint(3, 90, (4, 20), generator=g)
+    prompt, resp = (
+        torch.randint(3, 90, (4, 6), generator=g),
+        torch.randint(3, 90, (4, 20), generator=g),
+    )
     samples = [rollout.Sample(0, resp[i].tolist(), [0.0] * 20, False) for i in range(4)]
-    mb = train.make_batch([prompt[i].tolist() for i in range(4)], [replace(s, prompt_idx=i) for i, s in enumerate(samples)],
-                          torch.zeros(4), False, 0)  # [4, 26], responses from position 6
+    mb = train.make_batch(
+        [prompt[i].tolist() for i in range(4)],
+        [replace(s, prompt_idx=i) for i, s in enumerate(samples)],
+        torch.zeros(4),
+        False,
+        0,
+    )  # [4, 26], responses from position 6
     cpu = torch.device("cpu")
-    logp = train.logprobs(model.LogprobModel(lm), mb, config(train.Config, dtype=dtype), cpu, grad=True)[0]  # [4, 20]
-    ref = model.token_logprobs(model.load_model(tiny_path, dtype=torch.float64), mb.input_ids, mb.attention_mask,
-                               mb.resp_start, 20)[0]  # [4, 20] float64
+    logp = train.logprobs(
+        model.LogprobModel(lm), mb, config(train.Config, dtype=dtype), cpu, grad=True
+    )[0]  # [4, 20]
+    ref = model.token_logprobs(
+        model.load_model(tiny_path, dtype=torch.float64),
+        mb.input_ids,
+        mb.attention_mask,
+        mb.resp_start,
+        20,
+    )[0]  # [4, 20] float64
     want = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     assert seen == [want], seen
     err = (logp.double() - ref).abs().max().item()
     assert (err < 0.1) if dtype == "bfloat16" else (err < 1e-4), err
-    pairs = [dpo.Pair(tuple(prompt[i].tolist()), tuple(resp[i].tolist()), tuple(resp[i, :10].tolist())) for i in range(2)]
-    dpo.pair_logps(model.LogprobModel(lm), pairs, config(dpo.DPOConfig, dtype=dtype), cpu, pad_id=0, grad=False)
+    pairs = [
+        dpo.Pair(tuple(prompt[i].tolist()), tuple(resp[i].tolist()), tuple(resp[i, :10].tolist()))
+        for i in range(2)
+    ]
+    dpo.pair_logps(
+        model.LogprobModel(lm), pairs, config(dpo.DPOConfig, dtype=dtype), cpu, pad_id=0, grad=False
+    )
     assert seen == [want, want], seen
 
 
 def test_a_stand_in_micro_batch_is_two_tokens_whatever_the_batch(tok):
-    # a rank with fewer micro-batches runs stand-ins so FSDP's collectives line up; each must cost two tokens, not
-    # the batch's longest row (which at 24K would be a second 24K-token pass)
+    # a rank with fewer micro-batches runs stand-ins so FSDP's collectives line up; each must cost
+    # two tokens, not the batch's longest row (which at 24K would be a second 24K-token pass)
     prompts = [[1] + [5] * 300, [1, 5]]
-    samples = [rollout.Sample(0, [6] * 700, [-1.0] * 700, True), rollout.Sample(1, [6, 2], [-1.0, -1.0], False)]
+    samples = [
+        rollout.Sample(0, [6] * 700, [-1.0] * 700, True),
+        rollout.Sample(1, [6, 2], [-1.0, -1.0], False),
+    ]
     b = train.make_batch(prompts, samples, torch.tensor([1.0, -1.0]), False, 0)
     one, stand_in = train.micro_batches(b, [1], token_budget=10**6)[0], b.stand_in()
-    assert one.rows == [1] and one.input_ids.shape == (1, 4) and one.T == 2  # trimmed to its own row
+    assert (
+        one.rows == [1] and one.input_ids.shape == (1, 4) and one.T == 2
+    )  # trimmed to its own row
     assert stand_in.input_ids.shape == (1, 2) and stand_in.T == 1 and stand_in.rows == []
     assert float(stand_in.loss_mask.sum()) == 0.0 and float(stand_in.advantages.abs().sum()) == 0.0
     m = model.load_model(model.resolve(bases.TINY))
-    lp, _ = model.token_logprobs(m, stand_in.input_ids, stand_in.attention_mask, stand_in.resp_start, stand_in.T)
-    assert lp.shape == (1, 1)  # its one response token goes through the LM head: every parameter takes part
+    lp, _ = model.token_logprobs(
+        m, stand_in.input_ids, stand_in.attention_mask, stand_in.resp_start, stand_in.T
+    )
+    assert lp.shape == (
+        1,
+        1,
+    )  # its one response token goes through the LM head: every parameter takes part

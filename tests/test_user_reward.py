@@ -1,6 +1,7 @@
-"""--reward path/to/file.py:function (user_reward.py) and the example file demo/my_reward.py: bad values end in one line
-before anything loads; a reward that raises, hangs, spins, dies, prints or returns a non-number costs that sample 0
-and a counted warning, never the caller; train.py and eval_aime.py log the failures."""
+"""--reward path/to/file.py:function (user_reward.py) and the example file demo/my_reward.py: bad
+values end in one line before anything loads; a reward that raises, hangs, spins, dies, prints or
+returns a non-number costs that sample 0 and a counted warning, never the caller; train.py and
+eval_aime.py log the failures."""
 
 import json
 import time
@@ -20,7 +21,7 @@ from runtime import config
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures"
 
-REWARDS = '''
+REWARDS = """
 import os, re, time
 
 def right(response, gold):
@@ -63,7 +64,7 @@ def one_arg(response):
     return 1.0
 
 NOT_A_FUNCTION = 3
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +74,22 @@ def rewards(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name,value,kind", [
-    ("right", 1.0, None), ("prints", 0.5, None), ("flag", 1.0, None),
-    ("raises", 0.0, "raised"), ("dies", 0.0, "raised"), ("exits", 0.0, "raised"),
-    ("nan", 0.0, "non-number"), ("text", 0.0, "non-number"),
-    ("sleeps", 0.0, "timed out"), ("spins", 0.0, "timed out"), ("backtracks", 0.0, "timed out"),
-])
+@pytest.mark.parametrize(
+    "name,value,kind",
+    [
+        ("right", 1.0, None),
+        ("prints", 0.5, None),
+        ("flag", 1.0, None),
+        ("raises", 0.0, "raised"),
+        ("dies", 0.0, "raised"),
+        ("exits", 0.0, "raised"),
+        ("nan", 0.0, "non-number"),
+        ("text", 0.0, "non-number"),
+        ("sleeps", 0.0, "timed out"),
+        ("spins", 0.0, "timed out"),
+        ("backtracks", 0.0, "timed out"),
+    ],
+)
 def test_each_failure_scores_zero_and_is_counted(rewards, name, value, kind, capfd):
     fn = user_reward.load(f"{rewards}:{name}", timeout_s=0.5)
     t = time.time()
@@ -89,27 +100,36 @@ def test_each_failure_scores_zero_and_is_counted(rewards, name, value, kind, cap
     expected = dict.fromkeys(user_reward.KINDS, 0) | ({kind: 5} if kind else {})
     assert fn.counts == expected
     assert fn.take_failures() == (5 if kind else 0) and fn.take_failures() == 0
-    # each call ends within its limit (and a process start): 5 calls of at most 0.5 s each and a new worker
+    # each call ends within its limit (and a process start): 5 calls of at most 0.5 s each and a new
+    # worker
     assert seconds < 5 * (0.5 + 1.0)
     err = capfd.readouterr().err
     warned = [line for line in err.splitlines() if line.startswith("warning: --reward")]
-    assert len(warned) == (3 if kind else 0)  # the 1st, 2nd and 4th of 5: a counted warning, not a flood
+    assert len(warned) == (
+        3 if kind else 0
+    )  # the 1st, 2nd and 4th of 5: a counted warning, not a flood
     if kind:
-        assert f"5 {kind}" not in warned[-1] and f"4 {kind}" in warned[-1] and "scores 0" in warned[-1]
+        assert (
+            f"5 {kind}" not in warned[-1] and f"4 {kind}" in warned[-1] and "scores 0" in warned[-1]
+        )
 
 
 def test_a_worker_recovers_after_a_failure(rewards):
-    """After a timeout (worker killed) or a death, the next call starts a new worker that answers right."""
+    """After a timeout (worker killed) or a death, the next call starts a new worker that answers
+    right."""
     for name in ("sleeps", "dies"):
         fn = user_reward.Guarded(f"{rewards}:{name}", timeout_s=0.3)
         assert fn("x", "x") == 0.0
-        fn.spec = f"{rewards}:right"  # the same object, a healthy function: the next worker serves it
+        fn.spec = (
+            f"{rewards}:right"  # the same object, a healthy function: the next worker serves it
+        )
         assert fn("7", "7") == 1.0 and fn("7", "8") == 0.0
         fn.close()
 
 
 def test_a_slow_import_does_not_count_against_the_calls(tmp_path):
-    """The time limit is the call's: a file whose imports take longer (math-verify and sympy take seconds) works."""
+    """The time limit is the call's: a file whose imports take longer (math-verify and sympy take
+    seconds) works."""
     path = tmp_path / "slow_import.py"
     path.write_text("import time\ntime.sleep(1.0)\n\ndef f(response, gold):\n    return 1.0\n")
     fn = user_reward.load(f"{path}:f", timeout_s=0.2)
@@ -135,12 +155,22 @@ def test_bad_reward_values_get_one_line(rewards, tmp_path, capsys):
         with pytest.raises(UserError) as e:
             train.validate(train.Config(reward=spec), 1)
         msg = str(e.value)
-        assert msg.startswith(f"--reward {spec}:") and needle in msg and "\n" not in msg, (spec, msg)
+        assert msg.startswith(f"--reward {spec}:") and needle in msg and "\n" not in msg, (
+            spec,
+            msg,
+        )
     with pytest.raises(UserError, match="--reward-timeout-s 0.0: must be positive"):
         train.validate(train.Config(reward=f"{rewards}:right", reward_timeout_s=0.0), 1)
-    for spec, needle in (("mth", "--reward mth: use math, exact, or your own"), (f"{rewards}:one_arg", "one_arg")):
+    for spec, needle in (
+        ("mth", "--reward mth: use math, exact, or your own"),
+        (f"{rewards}:one_arg", "one_arg"),
+    ):
         with pytest.raises(SystemExit) as e:
-            one_line_errors(lambda: eval_aime.main(eval_aime.EvalConfig(model="tiny", data="x.jsonl", reward=spec)))
+            one_line_errors(
+                lambda: eval_aime.main(
+                    eval_aime.EvalConfig(model="tiny", data="x.jsonl", reward=spec)
+                )
+            )
         assert e.value.code == 2
         assert needle in capsys.readouterr().err
 
@@ -175,20 +205,24 @@ def test_example_rewards(fn, response, gold, expected):
 def test_example_file_passes_the_checks_and_agrees_with_exact_match_on_the_demo():
     assert user_reward.checks("demo/my_reward.py:number_match", 1.0) == []
     fn = user_reward.load(str(ROOT / "demo/my_reward.py") + ":number_match")
-    for p in tasks.sum3_split()[1][:20]:  # a right answer and a careless one (a+b, the last digit forgotten)
+    for p in tasks.sum3_split()[1][
+        :20
+    ]:  # a right answer and a careless one (a+b, the last digit forgotten)
         careless = str(sum(int(d) for d in p.prompt.rstrip("=").split("+")[:2]))
-        assert fn(p.answer, p.answer) == 1.0 and fn(careless, p.answer) == float(careless == p.answer)
+        assert fn(p.answer, p.answer) == 1.0 and fn(careless, p.answer) == float(
+            careless == p.answer
+        )
     assert fn.failures() == 0
     fn.close()
 
 
 @pytest.mark.slow  # a training run and an evaluation
 def test_train_and_eval_count_what_a_failing_reward_did(tmp_path, tiny_path):
-    """A reward that fails on some samples, and writes down each failure itself: train.py's reward_errors and
-    eval_aime.py's count equal its own tally, and the run finishes."""
+    """A reward that fails on some samples, and writes down each failure itself: train.py's
+    reward_errors and eval_aime.py's count equal its own tally, and the run finishes."""
     log = tmp_path / "failures.txt"
     path = tmp_path / "flaky.py"
-    path.write_text(f'''
+    path.write_text(f"""
 import time
 
 def flaky(response, gold):
@@ -200,22 +234,49 @@ def flaky(response, gold):
         open({str(log)!r}, "a").write("slept\\n")
         time.sleep(5)
     return 1.0 if response.strip() == gold.strip() else 0.0
-''')
+""")
     spec = f"{path}:flaky"
-    cfg = config(train.Config, engine="hf", steps=2, eval_every=2, eval_prompts=8, eval_samples=2, prompts_per_step=4,
-                 group_size=4, reward=spec, reward_timeout_s=0.2, out_dir=str(tmp_path / "run"), quiet=True,
-                 save_final=False, plot=False, checkpoint_every=0)
+    cfg = config(
+        train.Config,
+        engine="hf",
+        steps=2,
+        eval_every=2,
+        eval_prompts=8,
+        eval_samples=2,
+        prompts_per_step=4,
+        group_size=4,
+        reward=spec,
+        reward_timeout_s=0.2,
+        out_dir=str(tmp_path / "run"),
+        quiet=True,
+        save_final=False,
+        plot=False,
+        checkpoint_every=0,
+    )
     rows = train.train(cfg)["history"]
     assert [r["step"] for r in rows] == [0, 1, 2]
     logged = sum(r.get("reward_errors", 0) + r.get("heldout_reward_errors", 0) for r in rows)
     tally = log.read_text().count("\n")
     assert logged == tally > 0
     saved = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
-    assert sum(r.get("reward_errors", 0) + r.get("heldout_reward_errors", 0) for r in saved) == tally
+    assert (
+        sum(r.get("reward_errors", 0) + r.get("heldout_reward_errors", 0) for r in saved) == tally
+    )
     log.unlink()
     out = tmp_path / "eval.jsonl"
-    summary = eval_aime.main(eval_aime.EvalConfig(
-        model=tiny_path, data=str(FIX / "sum3_eval.jsonl"), out=str(out), reward=spec, reward_timeout_s=0.2,
-        prompt_template=str(FIX / "plain_template.txt"), k=2, temperature=1.0, top_p=1.0, max_tokens=8),
-        engine=rollout.HFEngine(tiny_path))
+    summary = eval_aime.main(
+        eval_aime.EvalConfig(
+            model=tiny_path,
+            data=str(FIX / "sum3_eval.jsonl"),
+            out=str(out),
+            reward=spec,
+            reward_timeout_s=0.2,
+            prompt_template=str(FIX / "plain_template.txt"),
+            k=2,
+            temperature=1.0,
+            top_p=1.0,
+            max_tokens=8,
+        ),
+        engine=rollout.HFEngine(tiny_path),
+    )
     assert summary["reward_errors"] == log.read_text().count("\n") > 0
