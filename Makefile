@@ -13,7 +13,7 @@ REQ := $(if $(GPU),requirements.txt,requirements-cpu.txt)
 STAMP := .venv/.installed-$(basename $(REQ))
 ARGS ?=
 
-.PHONY: demo dpo test test-fast recipe smollm2 bench gpu-check gpu-wheels check-setup clean
+.PHONY: demo dpo test test-fast lint format recipe smollm2 bench gpu-check gpu-wheels check-setup clean
 demo: $(STAMP)
 	$(PY) train.py $(ARGS)
 
@@ -26,6 +26,16 @@ test: $(STAMP)
 # the tests that need no vLLM engine, torchrun or training process (grpo.py, reward.py, data.py, flags): seconds
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests $(ARGS)
+
+# ruff (ruff.toml): the formatter's check, then pycodestyle / pyflakes, lines of at most 100 characters;
+# CI runs it before the tests. `make format` rewrites what the formatter and the fixable checks would change.
+lint: $(STAMP)
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
 
 # The DeepScaleR recipe in miniature (README, "The math recipe in miniature"): the GPU recipe's commands with the
 # same --stage presets, on the built-in tiny-math base and the chain-sum task, overriding only scale flags:

@@ -64,6 +64,7 @@ class DPOConfig:
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"  # field of the dispreferred response (same forms)
     # loss
+
     # DPO (sigmoid) or IPO (squared, per-token-averaged logprobs)
     loss: Literal["dpo", "ipo"] = "dpo"
     # strength of the tie to the reference model (DPO's KL coefficient; IPO's target 1/(2 beta))
@@ -362,6 +363,7 @@ def pair_logps(
     """log pi(y_c|x), log pi(y_r|x): each [n], summed over response tokens (averaged for IPO)."""
     b = pack(pairs, pad_id, device)
     with torch.set_grad_enabled(grad), runtime.autocast(cfg.run, device):
+        # [2n, T]
         lp, _ = model.token_logprobs(
             m,
             b["input_ids"],
@@ -370,7 +372,7 @@ def pair_logps(
             b["T"],
             1.0,
             cfg.run.logprob_chunk_tokens,
-        )  # [2n, T]
+        )
     s = sequence_logps(lp, b["resp_len"], average=cfg.loss == "ipo")  # [2n]
     return s[: len(pairs)], s[len(pairs) :]
 
@@ -411,9 +413,10 @@ def update(
         with torch.no_grad():
             ref_c, ref_r = pair_logps(ref, mb, cfg, device, pad_id, grad=False)  # [n], [n]
         pol_c, pol_r = pair_logps(policy, mb, cfg, device, pad_id, grad=True)  # [n], [n]
+        # [n] each
         loss, metrics = dpo_loss(
             pol_c, pol_r, ref_c, ref_r, cfg.beta, cfg.label_smoothing, cfg.loss
-        )  # [n] each
+        )
         weight = torch.tensor([p.weight for p in mb], dtype=loss.dtype, device=loss.device)  # [n]
         # one gradient reduction per step
         with distributed.gradient_sync(policy, k == len(micro) - 1):
@@ -570,58 +573,44 @@ def train_dpo(cfg: DPOConfig) -> dict:
 
     def evaluate(step: int) -> dict:
         row = evaluate_pairs(policy, ref_heldout, my_heldout, cfg, device, tok.pad_token_id)
-        if engine is not None:
-            row.update(
-                evaluate_task(engine, policy, tok, cfg, heldout_problems, seed=cfg.run.seed + step)
-            )  # fresh samples at every evaluation
+        if engine is not None:  # fresh samples at every evaluation
+            seed = cfg.run.seed + step
+            row.update(evaluate_task(engine, policy, tok, cfg, heldout_problems, seed=seed))
         return row
 
-    run = runtime.Run(
-        cfg,
-        policy,
-        opt,
-        sched,
-        stream,
-        evaluate,
-        label=cfg.loss.upper(),
-        show=dict(loss="loss", acc="reward_acc", heldout="heldout_pref_acc"),
-        folder_prefix="dpo-",
-        # only a command-line run owns the process's Ctrl-C
-        sigint=__name__ == "__main__",
-    )
+    # the run folder, metrics.jsonl, Ctrl-C (only a command-line run owns the process's Ctrl-C)
+    show = dict(loss="loss", acc="reward_acc", heldout="heldout_pref_acc")
+    run = runtime.Run(cfg, cfg.loss.upper(), show, "dpo-", sigint=__name__ == "__main__")
+    start = run.resume(policy, opt, sched, stream)  # the newest readable checkpoint's step, or 0
+    if not start:  # step 0's row: the start weights' held-out figures
+        run.log(0, evaluate(0) if run.eval_due(0) else {})
     share = cfg.batch_size // world
-    for step in run.steps():
+    for step in run.steps(start):
         t0 = time.time()
         runtime.reset_peak_memory(device)
         # this rank's share of the global batch
         ids = stream.take(cfg.batch_size)[rank * share : (rank + 1) * share]
+        pairs = [train_pairs[i] for i in ids]
         sums, grad_norm, skipped = update(
-            policy,
-            ref,
-            opt,
-            sched,
-            [train_pairs[i] for i in ids],
-            cfg.batch_size,
-            cfg,
-            device,
-            tok.pad_token_id,
+            policy, ref, opt, sched, pairs, cfg.batch_size, cfg, device, tok.pad_token_id
         )
         (tot,) = distributed.sum_over_ranks(sums)
-        means = {f.name: getattr(tot, f.name) / cfg.batch_size for f in fields(tot)}
-        run.end_step(
-            step,
-            dict(
-                step=step,
-                epoch=step * cfg.batch_size / len(train_pairs),
-                **means,
-                grad_norm=grad_norm,
-                skipped_updates=int(skipped),
-                lr=sched.get_last_lr()[0],
-                time_train=time.time() - t0,
-                peak_mem_gib=runtime.peak_memory_gib(device),
-            ),
+        row = dict(
+            epoch=step * cfg.batch_size / len(train_pairs),
+            **{f.name: getattr(tot, f.name) / cfg.batch_size for f in fields(tot)},
+            grad_norm=grad_norm,
+            skipped_updates=int(skipped),
+            lr=sched.get_last_lr()[0],
+            time_train=time.time() - t0,
+            peak_mem_gib=runtime.peak_memory_gib(device),
         )
-    return run.finish(tok, pairs=len(train_pairs))
+        if run.eval_due(step):  # held-out figures every --eval-every steps and at the last
+            row |= evaluate(step)
+        run.log(step, row)  # metrics.jsonl and the progress bar
+        stop = run.interrupted()  # Ctrl-C on any rank: a checkpoint, then the loop ends
+        if stop or run.checkpoint_due(step):  # every --checkpoint-every steps and at the last
+            run.save(step, policy, opt, sched, stream)
+    return run.finish(policy, tok, pairs=len(train_pairs))
 
 
 def main(argv: list[str]) -> None:

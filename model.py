@@ -179,9 +179,10 @@ class LogprobModel(torch.nn.Module):
         temperature: these are the logprobs of the distribution that was sampled from.
         """
         B, L = input_ids.shape
+        # [B, L, H]
         hidden = self.lm.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask
-        ).last_hidden_state  # [B, L, H]
+        ).last_hidden_state
         # position resp_start + t - 1 predicts response token t
         t = torch.arange(resp_len, device=input_ids.device)  # [T]
         tgt_pos = resp_start[:, None] + t[None, :]  # [B, T]

@@ -33,9 +33,8 @@ import model
 class Sample:
     prompt_idx: int  # which prompt of the request this sample answers
     token_ids: list[int]  # response tokens, including the EOS token when the response stopped on it
-    logprobs: list[
-        float
-    ]  # the engine's log pi(token) for each response token, at the sampling temperature
+    # the engine's log pi(token) for each response token, at the sampling temperature
+    logprobs: list[float]
     truncated: bool  # hit max_tokens without stopping
 
 
@@ -124,9 +123,8 @@ class VLLMEngine:
         )
         self.can_sleep, self.asleep = colocated and not on_cpu, False
         if on_cpu:
-            dtype = (
-                "float32" if dtype == "auto" else dtype
-            )  # vLLM's auto would run float32 weights in bfloat16
+            # vLLM's auto would run float32 weights in bfloat16
+            dtype = "float32" if dtype == "auto" else dtype
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
@@ -136,12 +134,12 @@ class VLLMEngine:
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
             lambda r: "set_num_threads" not in r.getMessage()
         )
-        os.environ.setdefault(
-            "OMP_NUM_THREADS", str(threads)
-        )  # stops vLLM from dropping torch to one thread
+        # stops vLLM from dropping torch to one thread
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        # here, not at the top: after the settings above, and HFEngine needs no vLLM installed
         from vllm import (
             LLM,
-        )  # here, not at the top: after the settings above, and HFEngine needs no vLLM installed
+        )
 
         kwargs = dict(
             model=model_path,
@@ -153,9 +151,7 @@ class VLLMEngine:
             # logprobs after temperature: the distribution we sampled from
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,  # the G samples of a prompt share its KV cache
-            hf_overrides={
-                "head_dtype": "float32"
-            },  # the LM head in float32, as the trainer computes it
+            hf_overrides={"head_dtype": "float32"},  # the LM head in float32, as the trainer's
         )
         if external_launcher:  # one engine per torchrun rank, sharing torchrun's process group
             kwargs["distributed_executor_backend"] = "external_launcher"
@@ -165,9 +161,8 @@ class VLLMEngine:
             # ("CPU Generator does not use offset", seen at 8K-token prompts): on CPU every prompt
             # is prefilled whole
             kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(
-                max_model_len, 4096 * tensor_parallel_size
-            )  # vLLM's CPU default
+            # vLLM's CPU default
+            kwargs["max_num_batched_tokens"] = max(max_model_len, 4096 * tensor_parallel_size)
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = self.can_sleep
@@ -212,14 +207,14 @@ class VLLMEngine:
         its sampler's noise is a hash of (seed, position), for all rows at once. Seeds are taken
         modulo 2^31 and shifted past the indices, so that two seeds never overlap.
         """
+        # here, not at the top: HFEngine needs no vLLM installed
         from vllm import (
             SamplingParams,
             TokensPrompt,
-        )  # here, not at the top: HFEngine needs no vLLM installed
+        )
 
-        if (
-            self.asleep
-        ):  # waking here would sample from the weights it slept with, not the trainer's newest
+        # waking here would sample from the weights it slept with, not the trainer's newest
+        if self.asleep:
             raise RuntimeError("the vLLM engine is asleep: load_weights (the refit) wakes it")
         caps = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         base = None if seed is None else (seed % 2**31) << 32
@@ -249,14 +244,12 @@ class VLLMEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.asleep:
-            self.llm.wake_up(
-                tags=["weights"]
-            )  # memory for the weights first; the refit writes every one of them
+            # memory for the weights first; the refit writes every one of them
+            self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.collective_rpc(_retie_lm_head)
-        if (
-            self.asleep
-        ):  # vLLM's wake_up empties torch's cache first: the trainer's freed blocks make its room
+        # vLLM's wake_up empties torch's cache first: the trainer's freed blocks make its room
+        if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
@@ -304,9 +297,8 @@ class _SampledLogprobs(LogitsProcessor):
         self.prev = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # [N, V]
         return scores
 
-    def finish(
-        self, new_tokens: torch.Tensor
-    ) -> torch.Tensor:  # new_tokens [N, t] -> logprobs [N, t]
+    # new_tokens [N, t] -> logprobs [N, t]
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
         if new_tokens.shape[1]:
             self.logps.append(self.prev.gather(-1, new_tokens[:, -1:]))
         assert len(self.logps) == new_tokens.shape[1], (len(self.logps), new_tokens.shape)
@@ -350,14 +342,14 @@ class HFEngine:
         which every later engine on the machine reads: runs stay reproducible. The faster path must
         win the median pair by 3%, or the defaults stay.
         """
+        # the CPU's model and its instruction-set extensions
         cpu = (
             sorted({ln for ln in open("/proc/cpuinfo") if ln.startswith(("model name", "flags"))})
             if os.path.exists("/proc/cpuinfo")
             else []
-        )  # the CPU's model and its instruction-set extensions
-        shape = {
-            k: v for k, v in self.model.config.to_dict().items() if not k.startswith("_")
-        }  # not its path
+        )
+        # not its path
+        shape = {k: v for k, v in self.model.config.to_dict().items() if not k.startswith("_")}
         what = [cpu, os.cpu_count(), torch.__version__, shape, str(self.model.dtype)]
         key = hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
         path = model.DEFAULT_CACHE / "cpu-decode" / f"{key[:16]}.json"
@@ -485,6 +477,5 @@ class HFEngine:
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, t in weights:
-                params[name].copy_(
-                    t
-                )  # a tied lm_head shares storage with the embedding: one copy serves both
+                # a tied lm_head shares storage with the embedding: one copy serves both
+                params[name].copy_(t)

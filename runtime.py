@@ -10,10 +10,10 @@ What it does:
 - optimizer: AdamW and the LR schedule both loops use (warmup_factor: NeMo-RL's LinearLR, 0.1 x lr
   -> lr); optimizer_step: clip, then step unless the gradient is not finite; accumulate: metric sums
   over micro-batches.
-- Run: the loop's bookkeeping. The run folder and its metrics.jsonl, resume or step 0's evaluation,
-  the progress bar, the held-out evaluation every --eval-every steps, each step's row,
-  --max-skipped-steps, checkpoints, Ctrl-C (CtrlC: the first stops the loop after its step, with a
-  checkpoint; a second aborts), the final weights and the summary.
+- Run: the loop's bookkeeping, one call per line of the loops: the run folder and its
+  metrics.jsonl, resume, the progress bar, when to evaluate and to checkpoint, each step's row and
+  --max-skipped-steps, Ctrl-C (CtrlC: the first stops the loop after its step, with a checkpoint; a
+  second aborts), the final weights and the summary.
 - timed, reset_peak_memory, peak_memory_gib: a phase's seconds and the trainer's peak memory, for
   the metrics.
 
@@ -64,15 +64,12 @@ class RunConfig:
     # bfloat16 on GPU, float32 on CPU, where bfloat16 pays only on CPUs with bf16 instructions
     # (avx512_bf16, AMX): docs/engines.md
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    activation_checkpointing: bool = (
-        False  # recompute each decoder layer's activations in backward (long sequences)
-    )
-    micro_batch_tokens: int = (
-        8192  # token budget of one forward/backward (padded tokens); bounds activation memory
-    )
-    logprob_chunk_tokens: int = (
-        1024  # positions per LM-head chunk when computing logprobs (memory bound)
-    )
+    # recompute each decoder layer's activations in backward (long sequences)
+    activation_checkpointing: bool = False
+    # token budget of one forward/backward (padded tokens); bounds activation memory
+    micro_batch_tokens: int = 8192
+    # positions per LM-head chunk when computing logprobs (memory bound)
+    logprob_chunk_tokens: int = 1024
     threads: int = 0  # torch CPU threads; 0 = this node's cores shared among its ranks
     # a collective waiting longer than this fails the run instead of hanging (GRPO: it must outlast
     # the slowest rank's rollout, which the others wait for in the next collective)
@@ -84,14 +81,12 @@ class RunConfig:
     # linear LR warm-up from 0.1 x lr to lr over this many steps, then constant (NeMo-RL's LinearLR)
     warmup_steps: int = 0
     grad_clip: float = 1.0  # max global gradient norm
-    max_skipped_steps: int = (
-        3  # stop after this many consecutive steps skipped for a non-finite loss or gradient
-    )
+    # stop after this many consecutive steps skipped for a non-finite loss or gradient
+    max_skipped_steps: int = 3
     # evaluation, checkpoints, logging
     eval_every: int = 25  # held-out evaluation every N steps (and at start and end); 0 = never
-    eval_samples: int = (
-        4  # samples per held-out prompt for pass@1 (GRPO: at --temperature; DPO's sum3 demo: at 1)
-    )
+    # samples per held-out prompt for pass@1 (GRPO: at --temperature; DPO's sum3 demo: at 1)
+    eval_samples: int = 4
     out_dir: str = ""  # run folder; default runs/<date-time> (DPO: runs/dpo-<date-time>)
     seed: int = 0  # seeds the data order, sampling and torch (DPO: the synthetic set too)
     save_final: bool = True  # write the final weights as an HF checkpoint to <out_dir>/final
@@ -289,81 +284,65 @@ class CtrlC:
 
 
 class Run:
-    """One run's bookkeeping, the same for GRPO and DPO, in the order their loops meet it:
+    """One run's bookkeeping, the same for GRPO and DPO; each call is a visible line of their loops:
 
-        run = Run(cfg, policy, opt, sched, stream, evaluate, ...)  # folder and log; resume, or evaluate step 0
-        for step in run.steps():                                   # the steps still to run, under a progress bar
-            row = ...                                              # the algorithm's step, and its metrics row
-            run.end_step(step, row)                                # evaluate, log, checkpoint, Ctrl-C
-        return run.finish(tok)                                     # final weights, summary
+        run = Run(cfg, label, show)                  # the run folder, metrics.jsonl, Ctrl-C
+        start = run.resume(policy, opt, sched, stream)   # the newest checkpoint's step, or 0
+        for step in run.steps(start):                # start + 1 .. --steps, under a progress bar
+            row = ...                                # the algorithm's step and its metrics row
+            if run.eval_due(step):
+                row |= evaluate(step)                # held-out figures every --eval-every steps
+            run.log(step, row)                       # metrics.jsonl, the bar, --max-skipped-steps
+            stop = run.interrupted()                 # Ctrl-C on any rank: checkpoint, then end
+            if stop or run.checkpoint_due(step):     # every --checkpoint-every steps, the last
+                run.save(step, policy, opt, sched, stream)
+        return run.finish(policy, tok)               # the final weights and a summary line
 
-    `evaluate(step)` returns the held-out figures (keys heldout_*); `stream` is the data order a
-    checkpoint keeps; `show` names the progress bar's figures ({label: metric}); `sigint`: whether
-    this run owns Ctrl-C (a command-line run does; a caller's process, such as the tests', keeps its
-    own).
+    `show` names the progress bar's figures ({label: metric}); `sigint`: whether this run owns
+    Ctrl-C (a command-line run does; a caller's process, such as the tests', keeps its own).
     """
 
     def __init__(
-        self,
-        cfg,
-        policy,
-        opt,
-        sched,
-        stream,
-        evaluate,
-        label: str,
-        show: dict[str, str],
-        folder_prefix: str = "",
-        sigint: bool = False,
+        self, cfg, label: str, show: dict[str, str], folder_prefix: str = "", sigint: bool = False
     ):
         self.cfg, self.run, self.label, self.show = cfg, cfg.run, label, show
-        self.policy, self.opt, self.sched, self.stream, self.evaluate = (
-            policy,
-            opt,
-            sched,
-            stream,
-            evaluate,
-        )
         self.out = Path(self.run.out_dir or f"runs/{folder_prefix}{time.strftime('%Y%m%d-%H%M%S')}")
-        self.log = None
+        self.log_file = None
         if distributed.is_main():
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-            self.log = logs.RunLog(
+            self.log_file = logs.RunLog(
                 self.out, self.run.tensorboard, self.run.wandb_project, asdict(cfg)
             )
-        self.start, self.history = self._resume_or_start()
+        self.history, self.last_eval = [], {}
+        self.ctrl_c, self.stopped, self.bad_steps = CtrlC(install=sigint), False, 0
+        self.bar = None
+        self.t_start = self.t_step = time.time()
+
+    def resume(self, policy, opt, sched, stream) -> int:
+        """The step to continue after. With --resume (default) and a readable checkpoint in
+        <out>/checkpoints, the weights, optimizer, schedule and data order continue from it and
+        metrics.jsonl is cut back to its step; otherwise 0, and metrics.jsonl starts empty."""
+        resumed = None
+        if self.run.resume:
+            resumed = checkpoint.resume(self.out / "checkpoints", policy, opt, sched, stream)
+        if resumed is None:
+            if self.log_file:
+                self.log_file.start(keep_until=None)
+            return 0
+        ckpt, start = resumed
+        distributed.print0(f"resumed from {ckpt} at step {start}")
+        self.history = self.log_file.start(keep_until=start) if self.log_file else []
         self.last_eval = next(
             (r for r in reversed(self.history) if any(k.startswith("heldout") for k in r)), {}
         )
-        self.ctrl_c, self.stopped, self.bad_steps = CtrlC(install=sigint), False, 0
-        self.t_start = self.t_step = time.time()
+        return start
 
-    def _resume_or_start(self) -> tuple[int, list[dict]]:
-        """(the step to continue after, the metrics rows so far). With --resume (default) and a
-        readable checkpoint in <out>/checkpoints, everything continues from it and metrics.jsonl is
-        cut back to its step. Otherwise the run starts at step 0, whose row holds the start weights'
-        held-out figures (none when --eval-every is 0)."""
-        resumed = None
-        if self.run.resume:
-            resumed = checkpoint.resume(
-                self.out / "checkpoints", self.policy, self.opt, self.sched, self.stream
-            )
-        if resumed is not None:
-            ckpt, start = resumed
-            distributed.print0(f"resumed from {ckpt} at step {start}")
-            return start, self.log.start(keep_until=start) if self.log else []
-        history = [dict(step=0, **(self.evaluate(0) if self.run.eval_every else {}))]
-        if self.log:
-            self.log.start(keep_until=None)
-            self.log.write(history[0])
-        return 0, history
-
-    def steps(self):
+    def steps(self, start: int):
         """The steps still to run, start + 1 .. --steps, under a progress bar on rank 0; none more
         after a Ctrl-C."""
         self.bar = tqdm(
-            range(self.start + 1, self.run.steps + 1),
+            range(start + 1, self.run.steps + 1),
             disable=self.run.quiet or not distributed.is_main(),
             desc=self.label,
             dynamic_ncols=True,
@@ -376,83 +355,95 @@ class Run:
                 break
         self.bar.close()
 
-    def end_step(self, step: int, row: dict) -> None:
-        """A step's end. Its row (with `skipped_updates`) gets the held-out figures every
-        --eval-every steps and at the last, and the seconds of the step and of the run, and is
-        logged; --max-skipped-steps steps in a row with a skipped update stop the run; a checkpoint
-        is saved every --checkpoint-every steps, at the last, and when Ctrl-C was pressed on any
-        rank (then the loop ends here)."""
-        run = self.run
-        self.bad_steps = self.bad_steps + 1 if row["skipped_updates"] else 0
-        if self.bad_steps >= run.max_skipped_steps:
-            raise UserError(
-                f"step {step}: non-finite loss or gradient for {self.bad_steps} steps in a row "
-                f"(--max-skipped-steps {run.max_skipped_steps}); last checkpoint in "
-                f"{self.out / 'checkpoints'}"
-            )
-        if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
-            self.last_eval = self.evaluate(step)
-            row.update(self.last_eval)
-        row.update(time_step=time.time() - self.t_step, elapsed=time.time() - self.t_start)
+    def eval_due(self, step: int) -> bool:
+        """Held-out evaluation at step 0, every --eval-every steps and at the last (never with
+        0)."""
+        every = self.run.eval_every
+        return bool(every) and (step % every == 0 or step == self.run.steps)
+
+    def log(self, step: int, row: dict) -> None:
+        """A step's row, with its seconds and the run's, to metrics.jsonl and the progress bar.
+        --max-skipped-steps steps in a row with a skipped update (non-finite loss or gradient) stop
+        the run."""
+        if any(k.startswith("heldout") for k in row):
+            self.last_eval = {k: v for k, v in row.items() if k.startswith("heldout")}
+        if step > 0:
+            self.bad_steps = self.bad_steps + 1 if row["skipped_updates"] else 0
+            if self.bad_steps >= self.run.max_skipped_steps:
+                raise UserError(
+                    f"step {step}: non-finite loss or gradient for {self.bad_steps} steps in a row "
+                    f"(--max-skipped-steps {self.run.max_skipped_steps}); last checkpoint in "
+                    f"{self.out / 'checkpoints'}"
+                )
+            row.update(time_step=time.time() - self.t_step, elapsed=time.time() - self.t_start)
+        row = {"step": step, **row}
         self.history.append(row)
-        if self.log:
-            self.log.write(row)
-            shown = {**self.last_eval, **row}
-            self.bar.set_postfix(
-                {name: f"{shown.get(key, 0.0):.3f}" for name, key in self.show.items()}
-            )
-        self.stopped = (
-            distributed.all_reduce_max(torch.tensor([float(self.ctrl_c.is_set())])).item() > 0
-        )
-        if self.stopped or (
-            run.checkpoint_every and (step % run.checkpoint_every == 0 or step == run.steps)
-        ):
-            saved = checkpoint.save_step(
-                self.out,
-                step,
-                self.policy,
-                self.opt,
-                self.sched,
-                self.stream,
-                {"config": asdict(self.cfg)},
-                run.keep_checkpoints,
-            )
-            if self.stopped:
-                distributed.print0(
-                    f"interrupted after step {step}: checkpoint {saved}; the same command resumes "
-                    "from it"
+        if self.log_file:
+            self.log_file.write(row)
+            if self.bar is not None:
+                shown = {**self.last_eval, **row}
+                self.bar.set_postfix(
+                    {name: f"{shown.get(key, 0.0):.3f}" for name, key in self.show.items()}
                 )
 
-    def finish(self, tok, engine=None, **summary) -> dict:
+    def interrupted(self) -> bool:
+        """Whether Ctrl-C was pressed on any rank (a collective: every rank calls it each step);
+        then steps() ends the loop after this step."""
+        ctrl_c = torch.tensor([float(self.ctrl_c.is_set())])
+        self.stopped = distributed.all_reduce_max(ctrl_c).item() > 0
+        return self.stopped
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Every --checkpoint-every steps and at the last (never with 0)."""
+        every = self.run.checkpoint_every
+        return bool(every) and (step % every == 0 or step == self.run.steps)
+
+    def save(self, step: int, policy, opt, sched, stream) -> None:
+        """A checkpoint of this step (checkpoint.py), keeping the newest --keep-checkpoints."""
+        saved = checkpoint.save_step(
+            self.out,
+            step,
+            policy,
+            opt,
+            sched,
+            stream,
+            {"config": asdict(self.cfg)},
+            self.run.keep_checkpoints,
+        )
+        if self.stopped:
+            distributed.print0(
+                f"interrupted after step {step}: checkpoint {saved}; the same command resumes from "
+                "it"
+            )
+
+    def finish(self, policy, tok, engine=None, **summary) -> dict:
         """The run's end: the log closed and its curves drawn; after a Ctrl-C, KeyboardInterrupt
         (the entry point exits with status 130); else the final weights (<out_dir>/final, an HF
         folder) and a one-line JSON summary (with `summary`'s extra figures). `engine`: one the
         caller owns, closed before the process group."""
-        if self.log:
-            self.log.close()
+        if self.log_file:
+            self.log_file.close()
             if self.run.plot:
                 logs.plot(self.out)
         if self.stopped:
             distributed.close(engine)
             raise KeyboardInterrupt
         if self.run.save_final:
-            checkpoint.save_hf(self.policy.lm, tok, self.out / "final")
+            checkpoint.save_hf(policy.lm, tok, self.out / "final")
         if distributed.is_main():
-
-            def heldout(row):
-                return {k: v for k, v in row.items() if k.startswith("heldout")}
-
-            print(
-                json.dumps(
-                    dict(
-                        out_dir=str(self.out),
-                        minutes=(time.time() - self.t_start) / 60,
-                        **summary,
-                        first=heldout(self.history[0]),
-                        last=heldout(self.last_eval),
-                    )
-                ),
-                flush=True,
+            first = self.history[0] if self.history else {}
+            line = dict(
+                out_dir=str(self.out),
+                minutes=(time.time() - self.t_start) / 60,
+                **summary,
+                first=heldout(first),
+                last=self.last_eval,
             )
+            print(json.dumps(line), flush=True)
         distributed.close(engine)
         return dict(history=self.history, out_dir=str(self.out))
+
+
+def heldout(row: dict) -> dict:
+    """A metrics row's held-out figures."""
+    return {k: v for k, v in row.items() if k.startswith("heldout")}

@@ -2,16 +2,18 @@
 CPU demo; `--help` lists every flag; `python train.py export CKPT OUT` writes a saved step as an HF
 folder.
 
-One GRPO step, as train() runs it (each a named call below, in this order):
-    1. take the step's P prompts; each engine its share                          rollout_round -> data.PromptStream
-    2. generate G responses per prompt, with the engine's logprobs               rollout_round -> rollout.py
-    3. score each response: 1 or 0                                               score -> reward.py
-       (1-3 once per round, collect_groups; more rounds only with --dynamic-sampling)
-    4. advantages from each group's rewards                                      grpo.group_advantages, make_batch
-    5. the trainer's old (and reference) logprobs of the sampled tokens          old_logprobs
-    6. per minibatch: loss -> backward over token-budget micro-batches -> clip -> AdamW     update_policy -> grpo.py
-    7. refit: the engine gets the new weights (LoRA: merged)                     rollout.Engine.load_weights
-    8. metrics reduced over ranks, held-out evaluation, checkpoint               step_metrics, runtime.Run.end_step
+One GRPO step, as train() runs it (each a line of its loop, in this order):
+    1. take the step's P prompts; each engine its share      collect_groups -> data.PromptStream
+    2. generate G responses per prompt, with their logprobs  collect_groups -> rollout.py
+    3. score each response: 1 or 0                           collect_groups -> score -> reward.py
+       (1-3 once, or more rounds with --dynamic-sampling)
+    4. advantages from each group's rewards                  grpo.group_advantages, make_batch
+    5. the trainer's old (and reference) logprobs            old_logprobs
+    6. per minibatch: loss -> backward over token-budget micro-batches -> clip -> AdamW
+                                                             update_policy -> grpo.policy_loss
+    7. refit: the engine gets the new weights (LoRA: merged) rollout.Engine.load_weights
+    8. metrics reduced over ranks                            step_metrics
+    and around them: held-out evaluation, metrics.jsonl, checkpoints and resume (runtime.Run).
 Each step writes one JSON line to <out_dir>/metrics.jsonl (logs.py); a run resumes from the newest
 readable checkpoint in <out_dir>/checkpoints; the final weights go to <out_dir>/final. Under
 torchrun the trainer is sharded with FSDP2 and each engine generates for its share of the prompts
@@ -45,9 +47,11 @@ import runtime
 import user_reward
 from checkpoint import export_hf
 from checks import UserError, check, one_line_errors
+
+# (the field `lora` of Config would hide the module's name in the class body)
 from lora import (
     Adapters,
-)  # (the field `lora` of Config would hide the module's name in the class body)
+)
 from demo import tasks
 
 
@@ -59,24 +63,22 @@ class Config:
     `--help` lists them in four groups."""
 
     # the rollout engine
-    engine: Literal["vllm", "hf"] = (
-        "vllm"  # rollout engine: colocated vLLM, or HF generate (no vLLM needed)
-    )
-    tensor_parallel_size: int = (
-        1  # vLLM tensor parallelism over this many consecutive ranks (one engine per group)
-    )
+
+    # rollout engine: colocated vLLM, or HF generate (no vLLM needed)
+    engine: Literal["vllm", "hf"] = "vllm"
+    # vLLM tensor parallelism over this many consecutive ranks (one engine per group)
+    tensor_parallel_size: int = 1
     # GPU memory share vLLM may take for its weights and KV cache while it generates (it frees it
     # while the trainer runs); the stage presets size it to the stage's KV cache
     gpu_memory_utilization: float = 0.6
     # the task
-    task: Literal["sum3", "math"] = (
-        "sum3"  # sum3: the synthetic demo task; math: problems from --data, boxed answers
-    )
+
+    # sum3: the synthetic demo task; math: problems from --data, boxed answers
+    task: Literal["sum3", "math"] = "sum3"
     problem_field: str = "problem"  # math: field of the problem text (DeepScaleR-Preview: problem)
     answer_field: str = "answer"  # math: field of the gold answer (DeepScaleR-Preview: answer)
-    prompt_template: str = (
-        ""  # a text file with {problem}, used instead of the chat template + instruction
-    )
+    # a text file with {problem}, used instead of the chat template + instruction
+    prompt_template: str = ""
     # math: the response's final answer is its last \boxed{} (boxed: DeepScaleR's), or that when it
     # is there and not empty, else its last number (last-number: for models too small to box their
     # answers, reward.py)
@@ -86,57 +88,45 @@ class Config:
     # scores 0 and is counted (reward_errors) and warned about (user_reward.py; demo/my_reward.py is
     # an example)
     reward: str = ""
-    reward_timeout_s: float = (
-        1.0  # --reward: a call running longer scores 0 (its worker process is killed)
-    )
-    stage: Literal[0, 1, 2, 3, 4] = (
-        0  # DeepScaleR preset (1: 8K, 2: 16K, 3: 24K, 4: GSPO 8K); flags override it
-    )
-    init_from: str = (
-        ""  # start from this HF checkpoint folder (e.g. the previous stage's <out_dir>/final)
-    )
+    # --reward: a call running longer scores 0 (its worker process is killed)
+    reward_timeout_s: float = 1.0
+    # DeepScaleR preset (1: 8K, 2: 16K, 3: 24K, 4: GSPO 8K); flags override it
+    stage: Literal[0, 1, 2, 3, 4] = 0
+    # start from this HF checkpoint folder (e.g. the previous stage's <out_dir>/final)
+    init_from: str = ""
     # the batch
     prompts_per_step: int = 32  # P: prompts per step, over all ranks
     group_size: int = 8  # G: samples per prompt
-    minibatch_size: int = (
-        0  # sequences per optimizer step; 0 = the whole step's P*G samples (one update per step)
-    )
-    max_new_tokens: int = (
-        8  # response length limit; a response also stops where prompt + response reach max_seq_len
-    )
-    min_new_tokens: int = (
-        0  # training responses are at least this long (EOS masked before): fixed-length benchmarks
-    )
-    max_seq_len: int = (
-        64  # prompt + response: each response gets what its prompt leaves, up to max_new_tokens
-    )
+    # sequences per optimizer step; 0 = the whole step's P*G samples (one update per step)
+    minibatch_size: int = 0
+    # response length limit; a response also stops where prompt + response reach max_seq_len
+    max_new_tokens: int = 8
+    # training responses are at least this long (EOS masked before): fixed-length benchmarks
+    min_new_tokens: int = 0
+    # prompt + response: each response gets what its prompt leaves, up to max_new_tokens
+    max_seq_len: int = 64
     # longer prompts are dropped; 0 = max_seq_len - max_new_tokens (every response has its full
     # max_new_tokens)
     max_prompt_len: int = 0
     temperature: float = 1.0  # sampling temperature (the trainer's logprobs use the same one)
     top_p: float = 1.0  # nucleus sampling; keep 1.0 for training (the trainer does not renormalize)
-    overlong_filter: bool = (
-        False  # DAPO: mask truncated responses out of the loss (they still count in the baseline)
-    )
-    dynamic_sampling: bool = (
-        False  # DAPO: drop groups with all-equal rewards, draw more prompts to refill the batch
-    )
-    dynamic_sampling_max_tries: int = (
-        4  # generation rounds per step before training on what was kept
-    )
+    # DAPO: mask truncated responses out of the loss (they still count in the baseline)
+    overlong_filter: bool = False
+    # DAPO: drop groups with all-equal rewards, draw more prompts to refill the batch
+    dynamic_sampling: bool = False
+    # generation rounds per step before training on what was kept
+    dynamic_sampling_max_tries: int = 4
     # evaluation and progress
     eval_prompts: int = 200  # held-out prompts evaluated
-    detailed_progress: bool = (
-        False  # also bars for each step's rollout, training and evaluation (long GPU steps)
-    )
+    # also bars for each step's rollout, training and evaluation (long GPU steps)
+    detailed_progress: bool = False
     # CPU: before any model loads, stop if memory.py's estimate of a process's peak exceeds its
     # share of the machine's available memory (the line names the flags that would fit);
     # --no-memory-check runs anyway
     memory_check: bool = True
     loss: grpo.LossConfig = field(default_factory=grpo.LossConfig)
-    lora: Adapters = field(
-        default_factory=Adapters
-    )  # LoRA (lora.py): --lora-rank R > 0 trains adapters, not weights
+    # LoRA (lora.py): --lora-rank R > 0 trains adapters, not weights
+    lora: Adapters = field(default_factory=Adapters)
     run: runtime.RunConfig = field(default_factory=runtime.RunConfig)
 
 
@@ -196,9 +186,8 @@ STAGES = {
         gpu_memory_utilization=0.85,
     ),
 }
-STAGES[4] = dict(
-    STAGES[1], pg="gspo", token_level=False
-)  # NeMo-RL's grpo-gspo-deepscaler-1.5b-8K: stage 1 + GSPO
+# NeMo-RL's grpo-gspo-deepscaler-1.5b-8K: stage 1 + GSPO
+STAGES[4] = dict(STAGES[1], pg="gspo", token_level=False)
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -236,80 +225,69 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     holds the base model."""
     rank, world = distributed.init(cfg.run.dist_timeout_s)
     validate(cfg, world)  # bad flags stop the run here, before any model or engine loads
-    if cfg.memory_check:
-        check_memory(cfg, world)  # and a run that cannot fit in this machine's memory
+    check_memory(cfg, world)  # so does a run that cannot fit in this machine's memory
     device, bf16 = runtime.setup_process(cfg.run)
     task = load_task(cfg)  # and bad data here
-    policy = model.load_trainable(
-        task.path,
-        device,
-        cfg.run.activation_checkpointing,
-        cfg.run.trust_remote_code,
-        adapters=cfg.lora,
-    )
-    ref = None
-    if (
-        cfg.loss.kl_beta > 0
-    ):  # the frozen start model, only when the KL term is on: with LoRA the policy itself
-        ref = (
-            policy
-            if cfg.lora.on
-            else model.load_trainable(task.path, device, False, cfg.run.trust_remote_code)
-            .eval()
-            .requires_grad_(False)
-        )
-    engine_dtype = torch.bfloat16 if bf16 else torch.float32
+    policy, ref = load_policy_and_ref(cfg, task.path, device)
+    dtype = torch.bfloat16 if bf16 else torch.float32  # the engine's weights
     own_engine = engine is None  # an engine the caller brought is the caller's to close
-    engine = engine or make_engine(cfg, task.path, engine_dtype, device)
+    engine = engine or make_engine(cfg, task.path, dtype, device)
     opt, sched = runtime.optimizer(policy, cfg.run)
     stream = data.PromptStream(len(task.train), cfg.run.seed)
-    run = runtime.Run(
-        cfg,
-        policy,
-        opt,
-        sched,
-        stream,
-        lambda step: evaluate(engine, task, cfg, step),
-        label="GRPO",
-        show=dict(reward="reward_mean", heldout="heldout_pass1", mpe="token_mult_prob_error"),
-        sigint=__name__ == "__main__",
-    )  # only a command-line run owns the process's Ctrl-C
-    if run.start:  # resumed: the engine samples from the resumed weights
-        engine.load_weights(model.hf_weights(policy.lm, engine_dtype))
-    for step in run.steps():
+    # the run folder, metrics.jsonl, Ctrl-C (only a command-line run owns the process's Ctrl-C)
+    run = runtime.Run(cfg, "GRPO", SHOW, sigint=__name__ == "__main__")
+    pad = task.tok.pad_token_id
+
+    start = run.resume(policy, opt, sched, stream)  # the newest readable checkpoint's step, or 0
+    if start:  # the engine samples from the resumed weights
+        engine.load_weights(model.hf_weights(policy.lm, dtype))
+    else:  # step 0's row: the start weights' held-out figures
+        run.log(0, evaluate(engine, task, cfg, 0) if run.eval_due(0) else {})
+    for step in run.steps(start):
         times = {}
-        groups = collect_groups(
-            engine, task, stream, cfg, step, times
-        )  # 1-3: prompts -> G responses -> rewards
-        # on GPU the trainer gets the engine's memory until the refit wakes the engine
-        engine.sleep()
+        # 1-3. the step's prompts -> G responses to each -> their rewards
+        groups = collect_groups(engine, task, stream, cfg, step, times)
+        engine.sleep()  # on GPU the trainer takes the engine's memory; load_weights wakes it
         runtime.reset_peak_memory(device)  # peak_mem_gib: the trainer's peak, steps 4-6
+        # 4. advantages [P, G] from each group's rewards, and the trainer's padded batch
+        std = batch_std(groups.rewards, cfg)  # --adv-scale batch: the std over every rank's rewards
         adv = grpo.group_advantages(
-            groups.rewards,
-            cfg.loss.leave_one_out,
-            cfg.loss.adv_scale,
-            batch_std=batch_std(groups.rewards, cfg),
-        )  # 4. [P, G]
-        batch = make_batch(
-            groups.prompts,
-            groups.samples,
-            adv.flatten(),
-            cfg.overlong_filter,
-            task.tok.pad_token_id,
+            groups.rewards, cfg.loss.leave_one_out, cfg.loss.adv_scale, batch_std=std
         )
-        with runtime.timed(times, "logprobs"):
-            batch = old_logprobs(policy, ref, batch, cfg, device)  # 5.
-        with runtime.timed(times, "update"):
-            upd = update_policy(policy, opt, sched, batch, cfg, device, groups.first_group)  # 6.
+        batch = make_batch(groups.prompts, groups.samples, adv.flatten(), cfg.overlong_filter, pad)
+        with runtime.timed(times, "logprobs"):  # 5. old (and reference) logprobs
+            batch = old_logprobs(policy, ref, batch, cfg, device)
+        with runtime.timed(times, "update"):  # 6. loss -> backward -> clip -> AdamW, per minibatch
+            upd = update_policy(policy, opt, sched, batch, cfg, device, groups.first_group)
         peak_gib = runtime.peak_memory_gib(device, engine.device_bytes)
-        with runtime.timed(
-            times, "refit"
-        ):  # 7. the engine samples the next step from the new weights
-            engine.load_weights(model.hf_weights(policy.lm, engine_dtype))
-        run.end_step(
-            step, step_metrics(step, groups, batch, adv, upd, sched, times, peak_gib)
-        )  # 8.
-    return run.finish(task.tok, engine if own_engine else None)
+        with runtime.timed(times, "refit"):  # 7. the engine samples the next step from these
+            engine.load_weights(model.hf_weights(policy.lm, dtype))
+        row = step_metrics(step, groups, batch, adv, upd, sched, times, peak_gib)  # 8. metrics
+        if run.eval_due(step):  # held-out pass@1 every --eval-every steps and at the last
+            row |= evaluate(engine, task, cfg, step)
+        run.log(step, row)  # metrics.jsonl and the progress bar
+        stop = run.interrupted()  # Ctrl-C on any rank: a checkpoint, then the loop ends
+        if stop or run.checkpoint_due(step):  # every --checkpoint-every steps and at the last
+            run.save(step, policy, opt, sched, stream)
+    return run.finish(policy, task.tok, engine if own_engine else None)
+
+
+# the progress bar's figures
+SHOW = dict(reward="reward_mean", heldout="heldout_pass1", mpe="token_mult_prob_error")
+
+
+def load_policy_and_ref(cfg: Config, path: str, device):
+    """The trainable policy (sharded under torchrun; with LoRA, adapters on the frozen base) and
+    the frozen start model for the KL term: None when the term is off, and with LoRA the policy
+    itself (its adapters switched off)."""
+    ckpt, remote = cfg.run.activation_checkpointing, cfg.run.trust_remote_code
+    policy = model.load_trainable(path, device, ckpt, remote, adapters=cfg.lora)
+    if cfg.loss.kl_beta == 0:
+        return policy, None
+    if cfg.lora.on:
+        return policy, policy
+    ref = model.load_trainable(path, device, False, remote)
+    return policy, ref.eval().requires_grad_(False)
 
 
 def evaluate(engine: rollout.Engine, task: "Task", cfg: Config, step: int) -> dict:
@@ -362,11 +340,10 @@ def collect_groups(
 
     Example, the demo (P = 32, G = 8, one rank): the stream gives 32 indices into the training set;
     the engine answers each prompt 8 times ("3+9+4=" -> "16", "12", "16", ...) and each answer is
-    scored
-    against the gold one:
-      Groups(prompts=[32 prompts' token ids], samples=[256 samples, prompt-major], rewards=[[1., 0.,
-      1., ...], ...]
-             (a [32, 8] tensor), drawn=32, zero_variance=5, rounds=1, first_group=0)
+    scored against the gold one:
+      Groups(prompts=[32 prompts' token ids], samples=[256 samples, prompt-major],
+             rewards=[[1., 0., 1., ...], ...] (a [32, 8] tensor), drawn=32, zero_variance=5,
+             rounds=1, first_group=0)
 
     Each engine takes its share of the step's prompts (rollout_round) and a prompt's G samples stay
     on one rank; the ranks of a tensor-parallel engine send it identical requests, then each keeps
@@ -390,14 +367,12 @@ def collect_groups(
         ]
         if not cfg.dynamic_sampling or rounds >= cfg.dynamic_sampling_max_tries:
             break
-        if (
-            distributed.all_reduce_sum(torch.tensor([float(len(kept) < share)])).item() == 0
-        ):  # every engine is full
+        # every engine is full
+        if distributed.all_reduce_sum(torch.tensor([float(len(kept) < share)])).item() == 0:
             break
     tp_rank = distributed.rank() % tp
-    mine = kept[
-        tp_rank * per_rank : (tp_rank + 1) * per_rank
-    ]  # P < per_rank when dynamic sampling ran short
+    # P < per_rank when dynamic sampling ran short
+    mine = kept[tp_rank * per_rank : (tp_rank + 1) * per_rank]
     if not mine:  # nothing informative: one zero-advantage group keeps every rank's batch non-empty
         mine = groups[:1]
     return Groups(
@@ -426,13 +401,12 @@ def rollout_round(
         distributed.rank() // tp,
         cfg.prompts_per_step // (distributed.world_size() // tp),
     )
-    ids = stream.take(cfg.prompts_per_step)[
-        engine_rank * share : (engine_rank + 1) * share
-    ]  # 1. every rank draws
-    prompts = [
-        task.train_prompts[i] for i in ids
-    ]  # the whole step's, so that all streams stay in step
+    # 1. every rank draws
+    ids = stream.take(cfg.prompts_per_step)[engine_rank * share : (engine_rank + 1) * share]
+    # the whole step's, so that all streams stay in step
+    prompts = [task.train_prompts[i] for i in ids]
     with runtime.timed(times, "generate"):  # 2.
+        # the prompts' place in the step
         samples = engine.generate(
             prompts,
             n=G,
@@ -443,7 +417,7 @@ def rollout_round(
             min_tokens=cfg.min_new_tokens,
             seed=seed,
             first_index=engine_rank * share,
-        )  # the prompts' place in the step
+        )
     with runtime.timed(times, "score"):  # 3.
         rewards = score(task, ids, samples, G)  # [len(ids), G]
     return [(i, samples[g * G : (g + 1) * G], rewards[g]) for g, i in enumerate(ids)]
@@ -504,9 +478,8 @@ class Batch:
     truncated: torch.Tensor  # [N] bool: the response hit its length limit
     lengths: list[int]  # prompt + response length of each row
     rows: list[int]  # these rows' indices in the step's batch
-    old_logp: torch.Tensor | None = (
-        None  # [N, T] the trainer's, before the update (None: the update's own forward)
-    )
+    # [N, T] the trainer's, before the update (None: the update's own forward)
+    old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None  # [N, T] the frozen start model's (--kl-beta > 0)
 
     @property
@@ -585,7 +558,8 @@ def make_batch(
       input_ids  [[1, 7, 5, 2], [1, 7, 6, 0]]      attention_mask [[1, 1, 1, 1], [1, 1, 1, 0]]
       resp_start [2, 2]                            resp_mask      [[1., 1.], [1., 0.]]
       gen_logp   each sample's logprobs, 0 past its end
-      loss_mask  resp_mask; with overlong_filter [[1., 1.], [0., 0.]]: the cut response leaves the loss
+      loss_mask  resp_mask; with overlong_filter [[1., 1.], [0., 0.]]: the cut response leaves
+                 the loss
       truncated  [False, True], lengths [4, 3], rows [0, 1]
     """
     N = len(samples)
@@ -685,9 +659,8 @@ class Update:
     ranks)."""
 
     loss: grpo.LossMetrics = field(default_factory=grpo.LossMetrics)  # the loss and its diagnostics
-    mismatch: grpo.Mismatch = field(
-        default_factory=grpo.Mismatch
-    )  # engine vs trainer before the update
+    # engine vs trainer before the update
+    mismatch: grpo.Mismatch = field(default_factory=grpo.Mismatch)
     entropy: float = 0.0  # the policy's entropy, summed over response tokens
     grad_norm: float = 0.0  # of the last minibatch, before clipping
     skipped: int = 0  # minibatch updates skipped for a non-finite loss or gradient
@@ -708,15 +681,13 @@ def update_policy(
         for k, mb in enumerate(micro):
             mb = mb.to(device)
             logp, entropy = logprobs(policy, mb, cfg, device, grad=True)  # [n, T] each
-            old = (
-                logp.detach() if mb.old_logp is None else mb.old_logp
-            )  # None: one minibatch (old_logprobs)
+            # None: one minibatch (old_logprobs)
+            old = logp.detach() if mb.old_logp is None else mb.old_logp
             loss, metrics = grpo.policy_loss(
                 logp, old, mb.advantages, mb.loss_mask, cfg.loss, norm, mb.ref_logp, mb.gen_logp
             )
-            with distributed.gradient_sync(
-                policy, k == len(micro) - 1
-            ):  # one gradient reduction per minibatch
+            # one gradient reduction per minibatch
+            with distributed.gradient_sync(policy, k == len(micro) - 1):
                 (loss * distributed.loss_scale()).backward()
             runtime.accumulate(upd.loss, metrics)
             runtime.accumulate(upd.mismatch, grpo.mismatch_metrics(mb.gen_logp, old, mb.resp_mask))
@@ -1020,9 +991,8 @@ def validate(cfg: Config, world: int) -> None:
             *runtime.run_checks(cfg.run),
         ]
     )
-    if (
-        cfg.lora.on
-    ):  # peft must be able to put the adapters on the model: read from its config, no weights load
+    # peft must be able to put the adapters on the model: read from its config, no weights load
+    if cfg.lora.on:
         lora.model_checks(
             cfg.lora,
             model_path(cfg),
@@ -1061,11 +1031,11 @@ def memory_need_gib(
 
 
 def check_memory(cfg: Config, world: int) -> None:
-    """CPU only: one line, before any model loads, when memory.py's estimate of a process's peak
-    exceeds its share of /proc/meminfo's MemAvailable (the node's ranks share it), naming flags that
-    would fit. On GPU the engine's share and the trainer's are set by --gpu-memory-utilization and
-    the stage presets (docs/distributed.md)."""
-    if torch.cuda.is_available() or not os.path.exists("/proc/meminfo"):
+    """CPU only (and unless --no-memory-check): one line, before any model loads, when memory.py's
+    estimate of a process's peak exceeds its share of /proc/meminfo's MemAvailable (the node's ranks
+    share it), naming flags that would fit. On GPU the engine's share and the trainer's are set by
+    --gpu-memory-utilization and the stage presets (docs/distributed.md)."""
+    if not cfg.memory_check or torch.cuda.is_available() or not os.path.exists("/proc/meminfo"):
         return
     with open("/proc/meminfo") as f:
         meminfo = dict(line.split(":", 1) for line in f)
@@ -1085,7 +1055,10 @@ def check_memory(cfg: Config, world: int) -> None:
         ((c, t) for c, t in tries if memory_need_gib(cfg, shape, world, c, t) <= have), None
     )
     if fits is None:
-        way = "no --micro-batch-tokens or --activation-checkpointing fits: fewer --prompts-per-step or more ranks"
+        way = (
+            "no --micro-batch-tokens or --activation-checkpointing fits: "
+            "fewer --prompts-per-step or more ranks"
+        )
     else:
         flags = ["--activation-checkpointing"] * (fits[0] and not ckpt) + [
             f"--micro-batch-tokens {fits[1]}"

@@ -137,11 +137,12 @@ class Guarded:
         except TimeoutError:
             self._stop()
             return self._fail("timed out", f"ran past --reward-timeout-s {self.timeout_s}")
+        # the worker died (os._exit, a crash) or broke the protocol
         except (
             OSError,
             EOFError,
             ValueError,
-        ) as e:  # the worker died (os._exit, a crash) or broke the protocol
+        ) as e:
             code = self._stop()
             return self._fail("raised", f"lost its process ({_one_line(e)}; exit status {code})")
         if "error" in reply:
@@ -181,9 +182,8 @@ class Guarded:
                 bufsize=0,
                 env={**os.environ, "OMP_NUM_THREADS": "1"},
             )
-            self._reply(
-                STARTUP_S
-            )  # its "ready" once the file is imported: imports do not count against a call
+            # its "ready" once the file is imported: imports do not count against a call
+            self._reply(STARTUP_S)
         self._proc.stdin.write(request)
         return self._reply(self.timeout_s)
 
@@ -241,9 +241,8 @@ def serve(spec: str) -> None:
     goes to stderr."""
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    signal.signal(
-        signal.SIGINT, signal.SIG_IGN
-    )  # Ctrl-C is the trainer's to handle: it stops the worker itself
+    # Ctrl-C is the trainer's to handle: it stops the worker itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
 
     # a trainer killed with SIGKILL cannot stop its worker: the worker notices and stops itself

@@ -25,9 +25,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 torch.set_num_threads(os.cpu_count() or 1)
 ON_GPU = torch.cuda.is_available()
-CPU_ONLY = {
-    "CUDA_VISIBLE_DEVICES": ""
-}  # for subprocesses that need no vLLM: they run on the CPU on any machine
+# for subprocesses that need no vLLM: they run on the CPU on any machine
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 @pytest.fixture(scope="session")

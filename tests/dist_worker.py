@@ -73,6 +73,7 @@ def update(
     small = base == bases.SMOLLM2
     prompts, samples, rewards = fixed_global_batch(tok, *((4, 2) if small else ()))
     P, G = rewards.shape
+    # GSPO is sequence-level
     cfg = config(
         train.Config,
         prompts_per_step=P,
@@ -88,10 +89,9 @@ def update(
         pg=pg,
         token_level=pg != "gspo",
         lora_rank=lora_rank,
-    )  # GSPO is sequence-level
-    share = range(
-        rank * P // world, (rank + 1) * P // world
-    )  # a prompt's G samples stay on one rank
+    )
+    # a prompt's G samples stay on one rank
+    share = range(rank * P // world, (rank + 1) * P // world)
     my_samples = [
         rollout.Sample(i - share.start, s.token_ids, s.logprobs, s.truncated)
         for s in samples
@@ -102,9 +102,8 @@ def update(
     b = train.make_batch(
         [prompts[i] for i in share], my_samples, adv.flatten(), False, tok.pad_token_id
     )
-    b = replace(
-        b, gen_logp=b.gen_logp.double(), advantages=b.advantages.double()
-    )  # float64 end to end
+    # float64 end to end
+    b = replace(b, gen_logp=b.gen_logp.double(), advantages=b.advantages.double())
     torch.manual_seed(0)  # LoRA's A matrices: the same on every rank and at every world size
     cpu, f64 = torch.device("cpu"), torch.float64
     policy = model.load_trainable(
@@ -116,9 +115,8 @@ def update(
         with torch.no_grad():
             for n, p in policy.named_parameters():
                 if ".lora_B." in n:
-                    full = (
-                        torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05
-                    )  # p.shape: the full shape
+                    # p.shape: the full shape
+                    full = torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05
                     (p.to_local() if isinstance(p, DTensor) else p).copy_(distribute_like(p, full))
         start = distributed.full_state_dict(policy.lm)  # a collective; {} but on rank 0
         if distributed.is_main():
@@ -143,9 +141,8 @@ def update(
     state = distributed.full_state_dict(policy.lm)
     if distributed.is_main():
         torch.save({k: v.clone() for k, v in state.items()}, out)
-    if (
-        lora_rank
-    ):  # the refit's merged weights, merged on the shards and cast before the gather (a collective)
+    # the refit's merged weights, merged on the shards and cast before the gather (a collective)
+    if lora_rank:
         merged = {n: t.cpu() for n, t in model.hf_weights(policy.lm, torch.float32)}
         if distributed.is_main():
             torch.save(merged, f"{out}.merged")
@@ -219,9 +216,8 @@ def refit(out: Path, tp: int):
 
 def policy(out: Path):
     rank, world = distributed.init(120)
-    cfg = config(
-        train.Config, dtype="bfloat16"
-    )  # threads 0: the node's cores shared among its ranks
+    # threads 0: the node's cores shared among its ranks
+    cfg = config(train.Config, dtype="bfloat16")
     device, bf16 = runtime.setup_process(cfg.run)
     path = model.resolve(bases.TINY)
     tok = model.load_tokenizer(path)
@@ -246,9 +242,8 @@ def policy(out: Path):
 
 
 def die(out: Path):
-    rank, _ = distributed.init(
-        600
-    )  # a long timeout: the test shows torchrun, not the timeout, ends the survivor
+    # a long timeout: the test shows torchrun, not the timeout, ends the survivor
+    rank, _ = distributed.init(600)
     torch.distributed.barrier()
     if rank == 1:
         os._exit(3)

@@ -39,9 +39,8 @@ def test_bench_runs_configurations_side_by_side(tmp_path, tiny_path):
     assert r.returncode == 0, r.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
     ours, trl = results["tiny/hf"], results["tiny/trl"]
-    assert (
-        len(ours["steps"]) == 2 and ours["generate"] < ours["step"]
-    )  # 3 steps, the first left out
+    # 3 steps, the first left out
+    assert len(ours["steps"]) == 2 and ours["generate"] < ours["step"]
     assert "TRL not installed" in trl.get("error", "") or len(trl["steps"]) == 2
     table = (tmp_path / "table.md").read_text()
     assert "| tiny | hf |" in table and "| tiny | trl |" in table

@@ -86,10 +86,11 @@ def test_killed_then_resumed_run_equals_uninterrupted_run(uninterrupted, tmp_pat
         load_file(uninterrupted / "final" / "model.safetensors"),
     )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # keep 2
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "step_000004",
         "step_000006",
-    ]  # keep 2
+    ]
 
 
 def test_partial_and_damaged_checkpoints_are_told_apart(uninterrupted, tmp_path):
@@ -97,9 +98,8 @@ def test_partial_and_damaged_checkpoints_are_told_apart(uninterrupted, tmp_path)
 
     good = uninterrupted / "checkpoints" / "step_000006"
     assert checkpoint.problem(good) is None
-    (
-        tmp_path / ".tmp-step_000008"
-    ).mkdir()  # a save that was killed before its rename is never listed
+    # a save that was killed before its rename is never listed
+    (tmp_path / ".tmp-step_000008").mkdir()
     assert checkpoint.saved(tmp_path) == [] and checkpoint.saved(tmp_path / "nothing-here") == []
     damage = {
         "no meta.json": lambda c: (c / "meta.json").unlink(),

@@ -63,6 +63,8 @@ def same_update_tolerance(lr: float) -> float:
     return 1e-4 * lr
 
 
+# one optimizer step over several micro-batches (and activation checkpointing)
+# two minibatches: the second step sees ratios != 1 and KL != 0
 @pytest.mark.parametrize(
     "micro_tokens,minibatches,lr,opt,pg,lora_rank",
     [
@@ -77,7 +79,7 @@ def same_update_tolerance(lr: float) -> float:
             "adamw",
             "ppo",
             0,
-        ),  # one optimizer step over several micro-batches (and activation checkpointing)
+        ),
         (
             12,
             2,
@@ -85,7 +87,7 @@ def same_update_tolerance(lr: float) -> float:
             "adamw",
             "ppo",
             0,
-        ),  # two minibatches: the second step sees ratios != 1 and KL != 0
+        ),
         # GSPO (sequence ratio, sequence-level normalizer) and CISPO (stop-gradient weight) on the
         # same two steps: the second step's ratios != 1 exercise their clipping
         (12, 2, 1e-4, "adamw", "gspo", 0),
@@ -122,9 +124,8 @@ def test_two_ranks_give_the_same_update_as_one(
     from transformers import AutoModelForCausalLM
 
     init = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
-    if (
-        lora_rank
-    ):  # the adapters moved (B from the worker's start, 0.05 * N(0, 1)); the base did not
+    # the adapters moved (B from the worker's start, 0.05 * N(0, 1)); the base did not
+    if lora_rank:
         start = torch.load(tmp_path / "w1.pt.start")
         moved = max((results[1][k] - start[k]).abs().max().item() for k in start)
         base = {
@@ -228,9 +229,10 @@ def test_a_gpu_run_starts_a_group_that_carries_cpu_tensors():
 
     gpu = BackendConfig(distributed.backend(cuda=True)).get_device_backend_map()
     assert gpu == {"cpu": "gloo", "cuda": "nccl"}
+    # the tests'
     assert BackendConfig(distributed.backend(cuda=False)).get_device_backend_map() == {
         "cpu": "gloo"
-    }  # the tests'
+    }
 
 
 def test_the_process_set_up_and_precision_policy_of_a_sharded_run(tmp_path):
@@ -240,17 +242,15 @@ def test_the_process_set_up_and_precision_policy_of_a_sharded_run(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = [json.loads((tmp_path / f"policy.rank{rank}").read_text()) for rank in (0, 1)]
     for rank, got in enumerate(res):
-        assert got["threads"] == max(
-            1, (os.cpu_count() or 1) // 2
-        )  # the node's cores shared by its two ranks
+        # the node's cores shared by its two ranks
+        assert got["threads"] == max(1, (os.cpu_count() or 1) // 2)
         # after a forward without grad FSDP2 leaves the root (embedding, norm, head) gathered unless
         # resharded; under the bf16 policy every parameter stays a float32 shard
         assert got["bf16"] and all(
             is_shard and dtype == "torch.float32" for is_shard, dtype in got["params"].values()
         ), got
-        assert got["full_state_dict"] == (
-            len(got["params"]) if rank == 0 else 0
-        )  # one full copy, on rank 0
+        # one full copy, on rank 0
+        assert got["full_state_dict"] == (len(got["params"]) if rank == 0 else 0)
     exported = load_file(tmp_path / "policy" / "export" / "model.safetensors")
     assert exported and all(t.dtype == torch.float32 for t in exported.values())
 
@@ -330,18 +330,17 @@ def test_reuse_freed_memory_stops_page_faults_on_every_step(reuse):
     ).stdout
     pages = sum(sizes) * 2**20 // 4096
     if reuse:
-        assert (
-            int(out) < pages // 20
-        )  # the heap kept the memory: a later step faults (almost) nothing in
+        # the heap kept the memory: a later step faults (almost) nothing in
+        assert int(out) < pages // 20
     else:
-        assert (
-            int(out) > pages // 2
-        )  # glibc's default: munmap on free, and every page faulted in again
+        # glibc's default: munmap on free, and every page faulted in again
+        assert int(out) > pages // 2
 
 
 # ----------------------------------------------------------------------------------------------
 # A GRPO run under torchrun: over two "nodes", and killed then resumed
 
+# threads: the same at both shapes
 RUN_FLAGS = [
     "--steps",
     "6",
@@ -358,16 +357,15 @@ RUN_FLAGS = [
     "--threads",
     "1",
     "--quiet",
-]  # threads: the same at both shapes
+]
 TIMING = ("time_", "elapsed", "tokens_per_s", "peak_mem")
 
 
 def launch(out: Path, port: int, nnodes: int = 1, node_rank: int = 0) -> subprocess.Popen:
     """`torchrun` of train.py on this machine: 2 processes on 1 node, or 1 process as node
     `node_rank` of 2."""
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", **CPU_ONLY
-    )  # the HF engine: bit for bit on the CPU, on any machine
+    # the HF engine: bit for bit on the CPU, on any machine
+    env = dict(os.environ, OMP_NUM_THREADS="1", **CPU_ONLY)
     nodes = (
         ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1"]
         if nnodes == 2
@@ -508,13 +506,11 @@ def test_eval_aime_under_torchrun_writes_what_one_process_writes(tmp_path, tiny_
         timeout=300,
     )
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "Traceback" not in two.stderr + one.stderr, two.stderr[
-        -3000:
-    ]  # each engine shut down before the group
+    # each engine shut down before the group
+    assert "Traceback" not in two.stderr + one.stderr, two.stderr[-3000:]
     rows = {n: [json.loads(line) for line in open(tmp_path / f"{n}.jsonl")] for n in ("one", "two")}
-    assert (
-        len(rows["one"]) == 24 * 4 and rows["two"] == rows["one"]
-    )  # every sample, in the same order
+    # every sample, in the same order
+    assert len(rows["one"]) == 24 * 4 and rows["two"] == rows["one"]
     summary = {n: json.loads((tmp_path / f"{n}.summary.json").read_text()) for n in ("one", "two")}
     assert {k: v for k, v in summary["two"].items() if k != "config"} == {
         k: v for k, v in summary["one"].items() if k != "config"

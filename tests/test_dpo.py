@@ -63,9 +63,8 @@ def ref_pair(pc, pr, rc, rr, beta, eps, kind):
 def test_loss_value_and_gradient_match_float64(kind, beta, eps):
     rng = random.Random(0)
     B = 64
-    cols = [
-        [-rng.uniform(0.1, 40.0) for _ in range(B)] for _ in range(4)
-    ]  # sequence logprobs are <= 0
+    # sequence logprobs are <= 0
+    cols = [[-rng.uniform(0.1, 40.0) for _ in range(B)] for _ in range(4)]
     cols[0][0], cols[1][0], cols[2][0], cols[3][0] = -5.0, -5.0, -5.0, -5.0  # h = 0: a tie
     cols[0][1], cols[1][1] = -1.0, -90.0  # a huge margin: log sigmoid must not overflow
     pc, pr = (torch.tensor(c, requires_grad=True) for c in cols[:2])
@@ -125,9 +124,8 @@ def test_pair_logps_match_float64_full_logits(tiny_path, tok, loss):
         for got, resp in ((c[i], p.chosen), (r[i], p.rejected)):
             ids = torch.tensor([list(p.prompt + resp)])
             with torch.no_grad():
-                logp = torch.log_softmax(
-                    lm64(ids).logits[0], -1
-                )  # [L, V] float64, one unpadded row
+                # [L, V] float64, one unpadded row
+                logp = torch.log_softmax(lm64(ids).logits[0], -1)
             toks = [logp[len(p.prompt) + t - 1, resp[t]].item() for t in range(len(resp))]
             want = sum(toks) / (len(toks) if loss == "ipo" else 1)
             assert abs(got.item() - want) < 1e-4, (i, got.item(), want)
@@ -182,9 +180,8 @@ GOOD = '{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n'
 )
 def test_bad_preference_files_name_file_and_row(tmp_path, name, text, needle):
     path = write(tmp_path / name, text)
-    with pytest.raises(
-        UserError
-    ) as e:  # data.DataError: an entry point exits 2 with "error: " and this line
+    # data.DataError: an entry point exits 2 with "error: " and this line
+    with pytest.raises(UserError) as e:
         dpo.load_pairs(path)
     msg = str(e.value)
     assert needle in msg and path in msg and "\n" not in msg
@@ -279,9 +276,8 @@ def test_chat_template_applied_when_the_tokenizer_has_one(tok):
         dpo.PrefRow((("system", "S"), ("user", "2+3=")), "5", "6"),
     ]
     p = dpo.encode_pairs(tok, rows[:1], 64, "test")[0]
-    assert (
-        tok.decode(p.prompt, skip_special_tokens=True) == "2+3="
-    )  # no template: plain text (the tiny tokenizer)
+    # no template: plain text (the tiny tokenizer)
+    assert tok.decode(p.prompt, skip_special_tokens=True) == "2+3="
     assert list(p.chosen) == tok("5", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     with pytest.raises(UserError, match="test pair 2: the prompt is a list of chat messages"):
         dpo.encode_pairs(tok, rows, 64, "test")
@@ -295,9 +291,8 @@ def test_chat_template_applied_when_the_tokenizer_has_one(tok):
         tok.chat_template = None
     assert tok.decode(a.prompt, skip_special_tokens=True) == "<|user|>2+3=<|assistant|>"
     assert tok.decode(b.prompt, skip_special_tokens=True) == "<|system|>S<|user|>2+3=<|assistant|>"
-    assert (
-        a.chosen == p.chosen
-    )  # the response is never templated: the template ends with the assistant's turn
+    # the response is never templated: the template ends with the assistant's turn
+    assert a.chosen == p.chosen
 
 
 def test_over_long_pairs_are_dropped_and_counted(tok, capsys):
@@ -311,12 +306,13 @@ def test_over_long_pairs_are_dropped_and_counted(tok, capsys):
         len(p.prompt) + max(len(p.chosen), len(p.rejected))
         for p in dpo.encode_pairs(tok, rows, 999, "t")
     ]
+    # BOS + prompt + the longer response + EOS
     assert lengths == [
         1 + 4 + 2,
         1 + 4 + 31,
         1 + 41 + 2,
         1 + 4 + 3,
-    ]  # BOS + prompt + the longer response + EOS
+    ]
     capsys.readouterr()
     assert dpo.encode_pairs(tok, rows, 20, "training") == dpo.encode_pairs(
         tok, [rows[0], rows[3]], 999, "t"
@@ -368,9 +364,8 @@ def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path):
 
     r = torchrun(2, tmp_path / "w2", worker="dpo_worker.py")
     assert r.returncode == 0, r.stderr[-3000:]
-    dpo_worker.updates(
-        str(tmp_path / "w1")
-    )  # one rank: the same function in this process, no process group
+    # one rank: the same function in this process, no process group
+    dpo_worker.updates(str(tmp_path / "w1"))
     from transformers import AutoModelForCausalLM
 
     init = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
@@ -379,10 +374,11 @@ def test_two_ranks_give_the_same_update_as_one(tmp_path, tiny_path):
         for k in w1:
             assert (w2[k] - w1[k]).abs().max().item() <= same_update_tolerance(lr), (name, k)
         moved = max((w1[k] - init[k]).abs().max().item() for k in w1)
+        # the update changed the weights
         assert moved > (0.5 * lr if optimizer == "adamw" else 1e-3), (
             name,
             moved,
-        )  # the update changed the weights
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -414,12 +410,10 @@ def test_short_dpo_run_raises_heldout_preference_and_task_accuracy(run30):
     cfg, rows = run30
     assert [r["step"] for r in rows] == list(range(31))
     first, last = rows[0], rows[-1]
-    assert (
-        first["heldout_reward_acc"] == 0 and first["heldout_margin"] == 0
-    )  # policy = reference at step 0
-    assert (
-        first["heldout_pref_acc"] < 0.6
-    )  # the base prefers the careless answer (half of the pairs) to the right one
+    # policy = reference at step 0
+    assert first["heldout_reward_acc"] == 0 and first["heldout_margin"] == 0
+    # the base prefers the careless answer (half of the pairs) to the right one
+    assert first["heldout_pref_acc"] < 0.6
     assert last["heldout_pref_acc"] >= first["heldout_pref_acc"] + 0.3, (first, last)
     assert last["heldout_reward_acc"] >= 0.7 and last["heldout_margin"] > 0
     assert last["heldout_greedy"] >= first["heldout_greedy"] + 0.2, (first, last)
@@ -433,9 +427,8 @@ def test_short_dpo_run_raises_heldout_preference_and_task_accuracy(run30):
         "logp_rejected",
         "grad_norm",
     } <= rows[1].keys()
-    assert (
-        abs(rows[1]["loss"] - math.log(2)) < 1e-6
-    )  # the first batch sees policy = reference: l = -log sigmoid(0)
+    # the first batch sees policy = reference: l = -log sigmoid(0)
+    assert abs(rows[1]["loss"] - math.log(2)) < 1e-6
     assert rows == [json.loads(line) for line in open(Path(cfg.run.out_dir) / "metrics.jsonl")]
 
 
@@ -463,9 +456,8 @@ def test_resumed_run_equals_uninterrupted_run_and_exports(run30, tmp_path):
             quiet=True,
         )
     )
-    assert (
-        resumed["history"][:21] == part["history"]
-    )  # steps 0-20 were read back (timings too), not run again
+    # steps 0-20 were read back (timings too), not run again
+    assert resumed["history"][:21] == part["history"]
     assert without_timing(resumed["history"]) == without_timing(rows)
     a, b = (
         load_file(Path(cfg.run.out_dir) / "final" / "model.safetensors"),
@@ -493,9 +485,8 @@ def test_grpo_and_dpo_warm_up_alike(tmp_path):
     x lr to lr over w steps, stepped once per step. Each row logs the LR after its step's update: lr
     (0.1 + 0.9 min(s, w) / w)."""
     lr, w, steps = 1e-4, 3, 5
-    want = [
-        lr * (0.1 + 0.9 * min(s, w) / w) for s in range(1, steps + 1)
-    ]  # 0.4, 0.7, 1, 1, 1 (x lr)
+    # 0.4, 0.7, 1, 1, 1 (x lr)
+    want = [lr * (0.1 + 0.9 * min(s, w) / w) for s in range(1, steps + 1)]
     flags = dict(
         steps=steps,
         warmup_steps=w,

@@ -71,9 +71,8 @@ def test_mean_ci_paired_and_auc_by_hand():
     d, dlo, dhi, p = X.paired(ref, other)
     assert d == pytest.approx(0.06)
     assert dhi - d == pytest.approx(4.303 * 0.03 / math.sqrt(3), abs=2e-5)  # 0.0745: the CI holds 0
-    assert p == pytest.approx(
-        1 - 3.4641016 / math.sqrt(2 + 12), abs=1e-6
-    )  # df = 2's closed form: 0.0742
+    # df = 2's closed form: 0.0742
+    assert p == pytest.approx(1 - 3.4641016 / math.sqrt(2 + 12), abs=1e-6)
     # no spread: p is 0 for a difference, 1 for none
     assert X.paired([0.5, 0.6], [0.6, 0.7])[3] == 0.0 and X.paired([0.5, 0.6], [0.5, 0.6])[3] == 1.0
     assert math.isnan(X.mean_ci([0.7])[1])

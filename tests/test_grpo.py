@@ -117,9 +117,8 @@ def ref_loss_and_grad(logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig):
             elif cfg.pg == "reinforce":
                 pg, dpg = -A * logp[i][t], -A
             else:
-                unclipped = (
-                    -A * rho >= -A * clip
-                )  # the max takes the unclipped branch (equal inside the band)
+                # the max takes the unclipped branch (equal inside the band)
+                unclipped = -A * rho >= -A * clip
                 pg, drho = (-A * rho, -A) if unclipped else (-A * clip, 0.0)
                 if cfg.dual_clip > 0 and A < 0 and pg > -cfg.dual_clip * A:
                     pg, drho = -cfg.dual_clip * A, 0.0
@@ -176,9 +175,8 @@ def TRUE_DERIVATIVE(c):
 def random_inputs(seed, B=12, T=9):
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
-    logp = (
-        old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4
-    )  # ratios well outside the clip band
+    # ratios well outside the clip band
+    logp = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4
     gen = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5
     ref = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5
     adv = torch.randn(B, generator=g, dtype=torch.float64)

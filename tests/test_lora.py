@@ -74,9 +74,8 @@ def test_only_the_adapters_train_and_hold_optimizer_state(tiny_path, tok):
     train.update_policy(policy, opt, sched, train.old_logprobs(policy, None, b, cfg, CPU), cfg, CPU)
     for n, p in policy.named_parameters():
         if n in trainable:
-            assert not torch.equal(p, before[n]) or ".lora_A." in n, (
-                n
-            )  # B moves off 0 (A may sit still a step)
+            # B moves off 0 (A may sit still a step)
+            assert not torch.equal(p, before[n]) or ".lora_A." in n, n
         else:
             assert torch.equal(p, before[n]), n  # the base is frozen, bit for bit
     assert any(not torch.equal(p, before[n]) for n, p in trainable.items() if ".lora_B." in n)
@@ -92,9 +91,8 @@ def test_merged_weights_are_w_plus_scaled_b_a_in_float64(tiny_path):
         for n, p in policy.named_parameters()
     }
     got = dict(model.hf_weights(policy.lm))
-    hf_names = set(model.load_model(tiny_path).state_dict()) - {
-        "lm_head.weight"
-    }  # tied to the embedding
+    # tied to the embedding
+    hf_names = set(model.load_model(tiny_path).state_dict()) - {"lm_head.weight"}
     assert set(got) == hf_names
     for name, t in got.items():
         layer = name.removesuffix(".weight")
@@ -123,26 +121,22 @@ def test_kl_reference_is_the_base_with_adapters_off(tiny_path, tok):
     b = train.make_batch(prompts, samples, torch.zeros(8), False, tok.pad_token_id)
     b = replace(b, gen_logp=b.gen_logp.double())  # float64 end to end
     cfg = config(train.Config, prompts_per_step=8, group_size=2, kl_beta=0.01, lora_rank=2)
-    got = train.old_logprobs(
-        policy, policy, b, cfg, CPU
-    ).ref_logp  # train.py passes the policy as its reference
+    # train.py passes the policy as its reference
+    got = train.old_logprobs(policy, policy, b, cfg, CPU).ref_logp
     want = train.old_logprobs(frozen, frozen, b, cfg, CPU).ref_logp
     on = train.logprobs(policy, b, cfg, CPU, grad=False)[0]
     assert (got - want).abs().max().item() < 1e-12
-    assert (
-        (on - want) * b.resp_mask
-    ).abs().max().item() > 1e-3  # with adapters on it is another model
-    assert train.logprobs(policy, b, cfg, CPU, grad=False)[0].equal(
-        on
-    )  # and they are on again afterwards
+    # with adapters on it is another model
+    assert ((on - want) * b.resp_mask).abs().max().item() > 1e-3
+    # and they are on again afterwards
+    assert train.logprobs(policy, b, cfg, CPU, grad=False)[0].equal(on)
 
 
 def test_vllm_samples_from_base_plus_adapters_after_a_refit(vllm_engine, tiny_path, tok):
     policy = adapted(tiny_path, dtype=torch.float32)
     prompts = prompts_of(tok)
-    assert (
-        mean_abs_diff(policy, vllm_engine, prompts, seed=0) > 1e-2
-    )  # before the refit: the base's logprobs
+    # before the refit: the base's logprobs
+    assert mean_abs_diff(policy, vllm_engine, prompts, seed=0) > 1e-2
     vllm_engine.load_weights(model.hf_weights(policy.lm, torch.float32))
     assert mean_abs_diff(policy, vllm_engine, prompts, seed=1) < 1e-3
 
@@ -177,9 +171,8 @@ def test_a_lora_run_with_kl_loads_one_model_and_learns(vllm_engine, tmp_path, mo
     rows = train.train(cfg, engine=vllm_engine)["history"]
     assert len(loads) == 1  # the policy; its reference is itself with adapters off
     assert rows[1]["kl"] == 0.0 and rows[-1]["kl"] > 1e-4
-    assert all(
-        r["token_mult_prob_error"] < 1.001 for r in rows[1:]
-    )  # the engine samples what the trainer scores
+    # the engine samples what the trainer scores
+    assert all(r["token_mult_prob_error"] < 1.001 for r in rows[1:])
     assert rows[-1]["heldout_pass1"] > rows[0]["heldout_pass1"] + 0.1
 
 

@@ -55,14 +55,12 @@ def write(path: Path, text: str) -> str:
 )
 def test_bad_problem_files_name_file_and_row(tmp_path, name, text, needle):
     path = write(tmp_path / name, text)
-    with pytest.raises(
-        data.DataError
-    ) as e:  # a UserError: an entry point exits 2 with it (test_faults.py)
+    # a UserError: an entry point exits 2 with it (test_faults.py)
+    with pytest.raises(data.DataError) as e:
         data.load_problems(path)
     msg = str(e.value)
-    assert (
-        needle in msg and path in msg and "\n" not in msg
-    )  # (exit status 2: tests/test_faults.py)
+    # (exit status 2: tests/test_faults.py)
+    assert needle in msg and path in msg and "\n" not in msg
 
 
 def test_problem_files_in_every_format_and_field_names(tmp_path):
@@ -136,9 +134,8 @@ def test_stage_presets_match_design_and_flags_override():
     c = train.parse_args(["--stage=2", "--lr", "1e-6", "--kl-beta", "0", "--max-seq-len", "12000"])
     assert (c.run.lr, c.loss.kl_beta, c.max_seq_len, c.loss.eps_high) == (1e-6, 0.0, 12000, 0.28)
     assert train.parse_args([]) == train.Config()
-    gspo = train.parse_args(
-        ["--stage", "4"]
-    )  # NeMo-RL's GSPO DeepScaleR recipe: stage 1 with GSPO's loss
+    # NeMo-RL's GSPO DeepScaleR recipe: stage 1 with GSPO's loss
+    gspo = train.parse_args(["--stage", "4"])
     assert gspo == config(
         train.Config, **dict(train.STAGES[1], stage=4, pg="gspo", token_level=False)
     )

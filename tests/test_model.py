@@ -114,9 +114,8 @@ def test_the_lm_head_runs_in_float32_under_the_bf16_policy(tiny_path, tok):
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         lp, _ = model.token_logprobs(m, input_ids, am, start, T)
     h, w = hidden["h"].double(), m.lm_head.weight.double()
-    assert (
-        hidden["h"].dtype == torch.float32
-    )  # the residual stream and final norm stay float32 under autocast
+    # the residual stream and final norm stay float32 under autocast
+    assert hidden["h"].dtype == torch.float32
     logits = h @ w.t()  # [B, L, V] float64
     assert logits.abs().max() > 20
     for i, n in enumerate(resp_lens):

@@ -28,9 +28,8 @@ def nemo_loss(
     fields; NeMo's default reference_policy_kl_penalty is 0.01. Returns (loss, metrics, d loss / d
     curr or None)."""
     curr = torch.tensor(curr, dtype=torch.float64).requires_grad_(grad)
-    if nemo.get(
-        "force_on_policy_ratio"
-    ):  # NeMo: prev = curr.detach(), as our single-minibatch update does
+    # NeMo: prev = curr.detach(), as our single-minibatch update does
+    if nemo.get("force_on_policy_ratio"):
         prev = curr.detach()
     prev = torch.as_tensor(prev, dtype=torch.float64)
     gen = prev.clone() if gen is None else torch.tensor(gen, dtype=torch.float64)
@@ -80,15 +79,15 @@ def nemo_loss(
     return loss.item(), metrics, g
 
 
-RATIO_CURR = [
-    [-1.69315, -1.0, -0.59453]
-]  # log(0.5) - 1, log(1) - 1, log(1.5) - 1: ratios 0.5, 1, 1.5
+# log(0.5) - 1, log(1) - 1, log(1.5) - 1: ratios 0.5, 1, 1.5
+RATIO_CURR = [[-1.69315, -1.0, -0.59453]]
 PREV = [[-1.0, -1.0, -1.0]]
+# NeMo's advantages are per token; these cases give one response three of them
 ADV = [
     1.0,
     -1.0,
     2.0,
-]  # NeMo's advantages are per token; these cases give one response three of them
+]
 
 
 def per_token_adv_loss(curr, prev, adv_tokens, **kw):
@@ -397,9 +396,8 @@ def test_seq_mask_tis():
         0
     ]
     assert loss == pytest.approx(sum(math.exp(0.0005) * -a for a in ADV) / 3, abs=1e-4, rel=1e-3)
-    gen[0][2] = float(
-        "-inf"
-    )  # NeMo maps a -inf engine logprob's log ratio to 0: the loss stays finite
+    # NeMo maps a -inf engine logprob's log ratio to 0: the loss stays finite
+    gen[0][2] = float("-inf")
     assert math.isfinite(
         nemo_loss(prev, torch.tensor(prev, dtype=torch.float64), [sum(ADV) / 3], gen=gen, **kw)[0]
     )
@@ -531,9 +529,10 @@ def test_baseline_and_std_numerical_precision():
     assert torch.isfinite(s).all()
 
 
+# NeMo's GRPOAdvantageEstimator with use_leave_one_out_baseline=False, normalize_rewards=True
 def _grpo_adv(
     rewards,
-):  # NeMo's GRPOAdvantageEstimator with use_leave_one_out_baseline=False, normalize_rewards=True
+):
     return grpo.group_advantages(torch.tensor([rewards]), leave_one_out=False, scale="group")[0]
 
 

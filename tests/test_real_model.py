@@ -139,9 +139,8 @@ def runs(tmp_path_factory, path) -> dict:
     out, export = tmp / "run", tmp / "export"
     reward = ["--reward", f"{tmp / 'recorder.py'}:record", "--out-dir", out]
     python("train.py", *FLAGS, "--steps", "1", *reward)
-    first = load_file(
-        out / "final" / "model.safetensors"
-    )  # the weights after step 1 (step 2 starts from them)
+    # the weights after step 1 (step 2 starts from them)
+    first = load_file(out / "final" / "model.safetensors")
     resumed = python("train.py", *FLAGS, "--steps", "2", *reward)
     python("train.py", "export", out / "checkpoints" / "step_000002", export)
     script = LOAD_IN_VLLM.format(
@@ -208,9 +207,8 @@ def test_engine_and_trainer_agree_before_and_after_a_refit_hf(path, tok):
 
     assert mpe(model.load_model(path), seed=0) < 1.001
     new = perturbed(path, seed=0, scale=0.01)
-    assert (
-        mpe(new, seed=1) > 1.01
-    )  # without the refit the engine is stale: what the bound must catch
+    # without the refit the engine is stale: what the bound must catch
+    assert mpe(new, seed=1) > 1.01
     engine.load_weights(distributed.full_weights(new))
     assert mpe(new, seed=2) < 1.001
 
@@ -228,10 +226,11 @@ def test_checkpoint_resume_export_and_the_export_in_transformers_and_vllm(runs, 
     lm = model.load_model(str(runs["export"]))
     assert lm.config.model_type == "llama" and lm.config.tie_word_embeddings
     assert lm.lm_head.weight.data_ptr() == lm.model.embed_tokens.weight.data_ptr()
+    # two steps changed the weights
     assert not torch.equal(
         a["model.embed_tokens.weight"],
         load_file(Path(path) / "model.safetensors")["model.embed_tokens.weight"],
-    )  # two steps changed the weights
+    )
     # a fresh vLLM engine on the export samples with the trainer's logprobs
     assert 1.0 <= runs["loaded"]["mpe"] < 1.001
 
@@ -239,9 +238,8 @@ def test_checkpoint_resume_export_and_the_export_in_transformers_and_vllm(runs, 
 def test_responses_stop_at_im_end_and_the_reward_never_sees_special_tokens(runs, tok):
     answers = [rollout.Sample(0, ids, lps, trunc) for ids, lps, trunc in runs["loaded"]["answers"]]
     ended = [s for s in answers if not s.truncated]
-    assert ended, [
-        tok.decode(s.token_ids) for s in answers
-    ]  # SHORT is answered and ended within 32 tokens
+    # SHORT is answered and ended within 32 tokens
+    assert ended, [tok.decode(s.token_ids) for s in answers]
     for s in ended:
         assert s.token_ids[-1] == tok.eos_token_id == 2 and 2 not in s.token_ids[:-1]
         assert tok.decode(s.token_ids).endswith("<|im_end|>")  # what the reward must not be handed

@@ -60,9 +60,8 @@ def recipe_commands(base: str, out: Path) -> list[list[str]]:
         check=True,
     ).stdout
     lines = [shlex.split(line) for line in text.splitlines() if line.strip()]
-    return [
-        words[next(i for i, w in enumerate(words) if w.endswith(".py")) :] for words in lines
-    ]  # from the script
+    # from the script
+    return [words[next(i for i, w in enumerate(words) if w.endswith(".py")) :] for words in lines]
 
 
 def test_recipe_chain_runs_end_to_end(tmp_path):
@@ -109,9 +108,8 @@ def test_recipe_chain_runs_end_to_end(tmp_path):
         json.loads(x)["problem"] for x in open(out / "data" / "train.jsonl")
     }
     table = (out / "recipe.md").read_text()
-    assert (
-        table.count("\n| ") == 4 and (out / "recipe.png").stat().st_size > 0
-    )  # rows 0-3 under the header
+    # rows 0-3 under the header
+    assert table.count("\n| ") == 4 and (out / "recipe.png").stat().st_size > 0
 
 
 def test_heldout_problems_are_not_in_the_pretraining_corpus():

@@ -93,9 +93,8 @@ def test_hf_engine_logprobs_are_those_of_the_sampling_temperature(tiny_path, tok
             temperature=0.7,
         )
     assert float(((lp - b.gen_logp).abs() * b.resp_mask).max()) < 1e-4
-    assert any(not s.truncated for s in samples) and any(
-        s.truncated for s in samples
-    )  # both ends covered
+    # both ends covered
+    assert any(not s.truncated for s in samples) and any(s.truncated for s in samples)
 
 
 @pytest.mark.parametrize("which", ["hf", "vllm"])
@@ -103,9 +102,8 @@ def test_min_tokens_masks_eos_until_then(which, vllm_engine, tiny_path, tok):
     engine = vllm_engine if which == "vllm" else rollout.HFEngine(tiny_path)
     prompts = prompts_of(tok, 8)
     free = engine.generate(prompts, n=2, max_tokens=12, seed=0)
-    assert any(
-        len(s.token_ids) < 12 for s in free
-    )  # the tiny model answers in a few tokens, then stops
+    # the tiny model answers in a few tokens, then stops
+    assert any(len(s.token_ids) < 12 for s in free)
     forced = engine.generate(prompts, n=2, max_tokens=12, min_tokens=12, seed=0)
     assert all(len(s.token_ids) == 12 and len(s.logprobs) == 12 for s in forced)
 
@@ -176,16 +174,14 @@ def each_response_gets_what_its_prompt_leaves(engine, tok):
     short = prompts_of(tok, 1)[0]
     prompts = [short, short + short[1:]]  # two lengths: two budgets
     caps = [train.budget(cfg, p) for p in prompts]
-    samples = engine.generate(
-        prompts, n=2, max_tokens=caps, min_tokens=48, seed=0
-    )  # EOS held back: full length
+    # EOS held back: full length
+    samples = engine.generate(prompts, n=2, max_tokens=caps, min_tokens=48, seed=0)
     for s in samples:
         assert len(prompts[s.prompt_idx]) + len(s.token_ids) == cfg.max_seq_len and s.truncated
         assert len(s.logprobs) == len(s.token_ids)
     capped = train.Config(max_seq_len=48, max_new_tokens=5)
-    assert {train.budget(capped, p) for p in prompts} == {
-        5
-    }  # max_new_tokens still caps a short prompt's room
+    # max_new_tokens still caps a short prompt's room
+    assert {train.budget(capped, p) for p in prompts} == {5}
 
 
 def test_each_response_gets_what_its_prompt_leaves_vllm(vllm_engine, tok):

@@ -54,16 +54,14 @@ def r1_tok():
 
 def test_r1_tokenizer_decodes_every_id_after_save_and_load(r1_tok, tmp_path):
     r1_tok.save_pretrained(tmp_path)
-    bases.r1_shape_config(2).save_pretrained(
-        tmp_path
-    )  # as in the checkpoint: loaded as Qwen2Tokenizer
+    # as in the checkpoint: loaded as Qwen2Tokenizer
+    bases.r1_shape_config(2).save_pretrained(tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)
     assert type(tok).__name__ == "Qwen2Tokenizer" and len(tok) == bases.R1_VOCAB
     assert tok.eos_token_id == tok.pad_token_id == HUB_CONFIG["eos_token_id"]
     tokens = tok.convert_ids_to_tokens(list(range(bases.R1_VOCAB)))
-    assert (
-        None not in tokens and len(set(tokens)) == bases.R1_VOCAB
-    )  # every id is a token of its own
+    # every id is a token of its own
+    assert None not in tokens and len(set(tokens)) == bases.R1_VOCAB
     rng = random.Random(0)
     ids = [0, 255, 256, 151642, 151643, 151935] + [
         rng.randrange(bases.R1_VOCAB) for _ in range(5000)

@@ -53,9 +53,8 @@ def test_short_grpo_run_raises_heldout_reward(vllm_engine, tmp_path):
     assert last >= first + 0.2, (first, last)
     for r in rows[1:]:
         assert METRIC_KEYS <= r.keys()
-        assert (
-            r["token_mult_prob_error"] < 1.001
-        )  # float32 engine and trainer agree after every refit
+        # float32 engine and trainer agree after every refit
+        assert r["token_mult_prob_error"] < 1.001
     assert rows[-1]["reward_mean"] > rows[1]["reward_mean"]
     # the final weights are a loadable HF checkpoint
     m = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
@@ -143,9 +142,8 @@ def test_a_run_that_cannot_fit_in_memory_stops_with_one_line_naming_flags_before
     # tiny model
     if torch.cuda.is_available():
         pytest.skip("the memory check is CPU's (GPU runs are sized by --gpu-memory-utilization)")
-    model.resolve(
-        "tiny"
-    )  # built here if it is not yet: the check reads its config.json, never its weights
+    # built here if it is not yet: the check reads its config.json, never its weights
+    model.resolve("tiny")
 
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the memory check")
@@ -163,9 +161,8 @@ def test_a_run_that_cannot_fit_in_memory_stops_with_one_line_naming_flags_before
         train.train(config(train.Config, **flags))
     msg = str(e.value)
     assert msg.startswith("memory: this run needs about") and "\n" not in msg, msg
-    assert "--micro-batch-tokens" in msg and "--no-memory-check" in msg, (
-        msg
-    )  # a budget of one sequence fits
+    # a budget of one sequence fits
+    assert "--micro-batch-tokens" in msg and "--no-memory-check" in msg, msg
     need = float(msg.split("needs about ")[1].split(" GiB")[0])
     assert need > 1000, msg
 
@@ -262,24 +259,27 @@ def test_dtype_flag_sets_the_training_compute_on_cpu(tiny_path, dtype):
         torch.randint(3, 90, (4, 20), generator=g),
     )
     samples = [rollout.Sample(0, resp[i].tolist(), [0.0] * 20, False) for i in range(4)]
+    # [4, 26], responses from position 6
     mb = train.make_batch(
         [prompt[i].tolist() for i in range(4)],
         [replace(s, prompt_idx=i) for i, s in enumerate(samples)],
         torch.zeros(4),
         False,
         0,
-    )  # [4, 26], responses from position 6
+    )
     cpu = torch.device("cpu")
+    # [4, 20]
     logp = train.logprobs(
         model.LogprobModel(lm), mb, config(train.Config, dtype=dtype), cpu, grad=True
-    )[0]  # [4, 20]
+    )[0]
+    # [4, 20] float64
     ref = model.token_logprobs(
         model.load_model(tiny_path, dtype=torch.float64),
         mb.input_ids,
         mb.attention_mask,
         mb.resp_start,
         20,
-    )[0]  # [4, 20] float64
+    )[0]
     want = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     assert seen == [want], seen
     err = (logp.double() - ref).abs().max().item()
@@ -304,16 +304,16 @@ def test_a_stand_in_micro_batch_is_two_tokens_whatever_the_batch(tok):
     ]
     b = train.make_batch(prompts, samples, torch.tensor([1.0, -1.0]), False, 0)
     one, stand_in = train.micro_batches(b, [1], token_budget=10**6)[0], b.stand_in()
-    assert (
-        one.rows == [1] and one.input_ids.shape == (1, 4) and one.T == 2
-    )  # trimmed to its own row
+    # trimmed to its own row
+    assert one.rows == [1] and one.input_ids.shape == (1, 4) and one.T == 2
     assert stand_in.input_ids.shape == (1, 2) and stand_in.T == 1 and stand_in.rows == []
     assert float(stand_in.loss_mask.sum()) == 0.0 and float(stand_in.advantages.abs().sum()) == 0.0
     m = model.load_model(model.resolve(bases.TINY))
     lp, _ = model.token_logprobs(
         m, stand_in.input_ids, stand_in.attention_mask, stand_in.resp_start, stand_in.T
     )
+    # its one response token goes through the LM head: every parameter takes part
     assert lp.shape == (
         1,
         1,
-    )  # its one response token goes through the LM head: every parameter takes part
+    )

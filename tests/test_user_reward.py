@@ -105,9 +105,8 @@ def test_each_failure_scores_zero_and_is_counted(rewards, name, value, kind, cap
     assert seconds < 5 * (0.5 + 1.0)
     err = capfd.readouterr().err
     warned = [line for line in err.splitlines() if line.startswith("warning: --reward")]
-    assert len(warned) == (
-        3 if kind else 0
-    )  # the 1st, 2nd and 4th of 5: a counted warning, not a flood
+    # the 1st, 2nd and 4th of 5: a counted warning, not a flood
+    assert len(warned) == (3 if kind else 0)
     if kind:
         assert (
             f"5 {kind}" not in warned[-1] and f"4 {kind}" in warned[-1] and "scores 0" in warned[-1]
@@ -205,9 +204,8 @@ def test_example_rewards(fn, response, gold, expected):
 def test_example_file_passes_the_checks_and_agrees_with_exact_match_on_the_demo():
     assert user_reward.checks("demo/my_reward.py:number_match", 1.0) == []
     fn = user_reward.load(str(ROOT / "demo/my_reward.py") + ":number_match")
-    for p in tasks.sum3_split()[1][
-        :20
-    ]:  # a right answer and a careless one (a+b, the last digit forgotten)
+    # a right answer and a careless one (a+b, the last digit forgotten)
+    for p in tasks.sum3_split()[1][:20]:
         careless = str(sum(int(d) for d in p.prompt.rstrip("=").split("+")[:2]))
         assert fn(p.answer, p.answer) == 1.0 and fn(careless, p.answer) == float(
             careless == p.answer

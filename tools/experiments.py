@@ -57,13 +57,14 @@ from pathlib import Path
 from typing import Literal
 
 import tyro
+
+# a figure of its own, drawn to a file: no pyplot, no display backend
 from matplotlib.figure import (
     Figure,
-)  # a figure of its own, drawn to a file: no pyplot, no display backend
+)
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[1])
-)  # run as a script: the core is one folder up
+# run as a script: the core is one folder up
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import logs
 import model
@@ -172,6 +173,7 @@ PRESETS = {
     # for --setup smollm2
     "kl": ("", [("no KL", ""), ("KL 1e-3", "--kl-beta 1e-3")]),
 }
+# the harness sets these
 OWNED = (
     "--seed",
     "--out-dir",
@@ -179,7 +181,7 @@ OWNED = (
     "--quiet",
     "--resume",
     "--no-resume",
-)  # the harness sets these
+)
 
 
 @dataclass
@@ -189,18 +191,15 @@ class ExpConfig:
     preset: Literal[
         "loss", "loo", "adv-scale", "overlong", "dynamic", "level", "lora", "lora-recipe", "kl"
     ] = "loss"
-    variant: tuple[
-        str, ...
-    ] = ()  # NAME=FLAGS, one per variant ("base=" for none); the first is the reference
+    # NAME=FLAGS, one per variant ("base=" for none); the first is the reference
+    variant: tuple[str, ...] = ()
     # the demo task (train.py's defaults, 60 steps), a recipe stage, or the real model's (`make
     # smollm2`, shortened)
     setup: Literal["demo", "recipe", "smollm2"] = "demo"
-    recipe_dir: str = (
-        "runs/recipe"  # --setup recipe: the folder `make recipe` wrote (data/, s1/final, s2/final)
-    )
-    stage: Literal[1, 2, 3] = (
-        2  # --setup recipe: the stage, started from the previous stage's final weights
-    )
+    # --setup recipe: the folder `make recipe` wrote (data/, s1/final, s2/final)
+    recipe_dir: str = "runs/recipe"
+    # --setup recipe: the stage, started from the previous stage's final weights
+    stage: Literal[1, 2, 3] = 2
     # --setup smollm2: its problem files are <dir>/data/*.jsonl, written if absent
     smollm2_dir: str = "runs/smollm2"
     # every run's --model (after the set-up's): an HF folder, a hub name, or a built-in base (tiny,
@@ -369,9 +368,8 @@ def train_error(argv: list[str]) -> str | None:
     except UserError as e:
         return str(e)
     except SystemExit:  # tyro's own parse error, printed in a frame
-        framed = re.split(r"[-─━]{3,}", buf.getvalue(), maxsplit=1)[
-            -1
-        ]  # tyro's message, under its title
+        # tyro's message, under its title
+        framed = re.split(r"[-─━]{3,}", buf.getvalue(), maxsplit=1)[-1]
         words = re.sub(r"[\s│╭╮╰╯┃|─━-]*\n[\s│╭╮╰╯┃|─━-]*|\s+", " ", framed).split(
             "For full helptext"
         )[0]
@@ -385,9 +383,8 @@ def setup_flags(cfg: ExpConfig) -> str:
     if cfg.setup == "smollm2":
         data = Path(cfg.smollm2_dir) / "data"
         if not (data / "train.jsonl").exists() or not (data / "heldout.jsonl").exists():
-            tasks.write_problems(
-                str(data), *tasks.add_split(), "two-digit addition"
-            )  # `python demo/tasks.py add DIR`
+            # `python demo/tasks.py add DIR`
+            tasks.write_problems(str(data), *tasks.add_split(), "two-digit addition")
         return smollm2_setup(cfg.smollm2_dir)
     d = cfg.recipe_dir
     need = (
@@ -430,9 +427,8 @@ def plan(cfg: ExpConfig) -> tuple[Path, str, list[tuple[str, str]], list[Run]]:
     )
     out = Path(cfg.out or default_out)
     problem = train_error(shlex.split(setup) + extra + ["--out-dir", str(out / "runs" / "x")])
-    if problem and any(
-        w in problem for w in extra if w.startswith("--")
-    ):  # the set-up's own flags, as given
+    # the set-up's own flags, as given
+    if problem and any(w in problem for w in extra if w.startswith("--")):
         fail(problem)
     runs, seen = [], {}
     for name, flags in variants:
@@ -884,9 +880,8 @@ def main(cfg: ExpConfig) -> int:
     out, setup, variants, runs = plan(cfg)
     check_folders(out, setup, runs)
     jobs = jobs_at_once(cfg)
-    todo = [
-        r for r in sorted(runs, key=lambda r: r.seed) if not finished(r)
-    ]  # seed by seed: early tables pair
+    # seed by seed: early tables pair
+    todo = [r for r in sorted(runs, key=lambda r: r.seed) if not finished(r)]
     print(
         f"{len(runs)} runs ({len(variants)} variants x {cfg.seeds} seeds): {len(runs) - len(todo)} "
         "finished, "

@@ -16,22 +16,23 @@ import json
 import sys
 from pathlib import Path
 
+# a figure of its own, drawn to a file: no pyplot, no display backend
 from matplotlib.figure import (
     Figure,
-)  # a figure of its own, drawn to a file: no pyplot, no display backend
+)
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[1])
-)  # run as a script: the core is one folder up
+# run as a script: the core is one folder up
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checks import check, one_line_errors, writable
 from logs import read_rows, save_png
 
+# the recipe's run folders, in order; eval_<name>.summary.json beside them
 STAGE_DIRS = (
     "s1",
     "s2",
     "s3",
-)  # the recipe's run folders, in order; eval_<name>.summary.json beside them
+)
 
 
 def _is_chain(response: str) -> bool:
