@@ -1,6 +1,7 @@
 """tools/bench.py runs end to end: its processes run side by side taking turns, and a ring never
 hangs on one that ends."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -41,6 +42,9 @@ def test_bench_runs_configurations_side_by_side(tmp_path, tiny_path):
     ours, trl = results["tiny/hf"], results["tiny/trl"]
     # 3 steps, the first left out
     assert len(ours["steps"]) == 2 and ours["generate"] < ours["step"]
-    assert "TRL not installed" in trl.get("error", "") or len(trl["steps"]) == 2
+    if importlib.util.find_spec("trl") is None:  # the ring went on without it
+        assert "TRL not installed" in trl["error"] and "steps" not in trl
+    else:
+        assert "error" not in trl and len(trl["steps"]) == 2
     table = (tmp_path / "table.md").read_text()
     assert "| tiny | hf |" in table and "| tiny | trl |" in table

@@ -7,8 +7,8 @@ tests/unit/algorithms/test_loss_functions.py, test_utils.py (baseline and std) o
 tensors carry a leading masked position that its loss slices off; the adapter takes the
 already-sliced [B, T] values.
 
-What it does not do: import NeMo-RL, or cover options grpo.py does not have: those cases are kept as
-pytest.skip with the reason, so the count of what agrees stays honest.
+What it does not do: import NeMo-RL, or cover options grpo.py does not have: those cases are listed
+in NOT_PORTED with the reason, so the count of what agrees stays honest.
 """
 
 import math
@@ -17,6 +17,30 @@ import pytest
 import torch
 
 import grpo
+
+# NeMo-RL's cases that are not ported, and why: options grpo.py does not have, or nothing to compute
+NOT_PORTED = {
+    "test_force_on_policy_ratio_ignores_prev_logprobs": "this option ignores prev_logprobs; "
+    "grpo.py has no such option (train.py's one-minibatch path passes old_logp = logp.detach(), "
+    "test_force_on_policy_ratio's case)",
+    "test_calculate_kl_output_clamp_includes_importance_sampling_weight": "weights the KL by an "
+    "outside importance weight, which only NeMo's use_on_policy_kl_approximation supplies",
+    "test_entropy": "NeMo's approx_entropy metric (-E[exp(logp - gen_logp) logp]); train.py logs "
+    "the "
+    "exact entropy",
+    "test_baseline_and_std_single_generation_per_prompt": "G = 1: NeMo sets baseline = reward; "
+    "grpo.py rejects G < 2 (train.py's --group-size check)",
+    "test_baseline_and_std_mixed_prompt_sizes": "groups of different sizes: grpo.py takes a [P, G] "
+    "block with one G",
+    "test_baseline_and_std_valid_mask": "NeMo's valid_mask leaves samples out of the baseline; "
+    "grpo.py has no such mask",
+    "test_baseline_and_std_cuda_compatibility": "a device test, not a numbers test",
+    "test_cispo_incompatibility_asserts[disable_ppo_ratio, sequence_level]": "not expressible: "
+    "LossConfig.pg picks one of ppo, gspo, cispo, reinforce",
+    "test_cispo_incompatibility_asserts[force_on_policy_ratio]": "no force_on_policy_ratio option",
+    "test_kl_gradient_includes_sampling_term[True]": "no use_on_policy_kl_approximation (the KL "
+    "weighted by exp(logp - gen_logp))",
+}
 
 INF = float("inf")
 
@@ -131,23 +155,7 @@ def test_force_on_policy_ratio():
     assert loss == pytest.approx(-2 / 3, abs=1e-3)
 
 
-def test_force_on_policy_ratio_ignores_prev_logprobs():
-    pytest.skip(
-        "force_on_policy_ratio is a NeMo option that ignores prev_logprobs; grpo.py has no such "
-        "option "
-        "(train.py's one-minibatch path passes old_logp = logp.detach(), "
-        "test_force_on_policy_ratio's case)"
-    )
-
-
-@pytest.mark.parametrize(
-    "incompatible", ["disable_ppo_ratio", "force_on_policy_ratio", "ratio_clip_c", "sequence_level"]
-)
-def test_cispo_incompatibility_asserts(incompatible):
-    if incompatible in ("disable_ppo_ratio", "sequence_level"):
-        pytest.skip("not expressible here: LossConfig.pg picks one of ppo, gspo, cispo, reinforce")
-    if incompatible == "force_on_policy_ratio":
-        pytest.skip("grpo.py has no force_on_policy_ratio option")
+def test_cispo_incompatibility_asserts():  # its ratio_clip_c case (the others: NOT_PORTED)
     assert "dual clip" in grpo.config_error(grpo.LossConfig(pg="cispo", dual_clip=3.0))
 
 
@@ -210,13 +218,6 @@ def test_calculate_kl_detaches_importance_sampling_when_input_clamped():
     torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -1.0]]), atol=1e-6, rtol=1e-6)
 
 
-def test_calculate_kl_output_clamp_includes_importance_sampling_weight():
-    pytest.skip(
-        "weights the KL by an outside importance weight (100 x), which only NeMo's "
-        "use_on_policy_kl_approximation supplies; grpo.py has no such option"
-    )
-
-
 def test_kl_penalty():
     loss = per_token_adv_loss(
         [[0.0, -1.0, -2.0]],
@@ -228,12 +229,7 @@ def test_kl_penalty():
     assert loss == pytest.approx(0.0362, rel=1e-3)
 
 
-@pytest.mark.parametrize("use_on_policy_kl_approximation", [False, True])
-def test_kl_gradient_includes_sampling_term(use_on_policy_kl_approximation):
-    if use_on_policy_kl_approximation:
-        pytest.skip(
-            "grpo.py has no use_on_policy_kl_approximation (KL weighted by exp(logp - gen_logp))"
-        )
+def test_kl_gradient_includes_sampling_term():  # use_on_policy_kl_approximation=False
     args = dict(
         curr=[[-1.2, -0.7]],
         prev=torch.tensor([[-1.0, -0.8]], dtype=torch.float64),
@@ -411,13 +407,6 @@ def test_dual_clip():
     assert loss == pytest.approx(4.1667, rel=1e-3)
 
 
-def test_entropy():
-    pytest.skip(
-        "NeMo's approx_entropy metric (-E[exp(logp - gen_logp) logp]); train.py logs the exact "
-        "entropy"
-    )
-
-
 def test_gspo():
     # one response, per-token advantages [1, -1, 2]; the ratio is per sequence and inside the band,
     # so the loss is mean_t(-A_t) * s: with one advantage per response, A = mean_t A_t gives the
@@ -490,33 +479,15 @@ def test_baseline_and_std_basic():
     )
 
 
-def test_baseline_and_std_single_generation_per_prompt():
-    pytest.skip(
-        "G = 1: NeMo sets baseline = reward; grpo.py rejects G < 2 (train.py's --group-size check)"
-    )
-
-
 def test_baseline_and_std_identical_rewards():
     b, s = grpo.group_baseline_and_std(torch.tensor([[3.0] * 3, [7.0] * 3]), leave_one_out=True)
     torch.testing.assert_close(b.flatten(), torch.tensor([3.0] * 3 + [7.0] * 3))
     assert s.abs().max() == 0
 
 
-def test_baseline_and_std_mixed_prompt_sizes():
-    pytest.skip("groups of different sizes: grpo.py takes a [P, G] block with one G")
-
-
 def test_baseline_and_std_empty_input():
     b, s = grpo.group_baseline_and_std(torch.empty(0, 3), leave_one_out=True)
     assert b.shape == s.shape == (0, 3)
-
-
-def test_baseline_and_std_valid_mask():
-    pytest.skip("NeMo's valid_mask leaves samples out of the baseline; grpo.py has no such mask")
-
-
-def test_baseline_and_std_cuda_compatibility():
-    pytest.skip("a device test, not a numbers test")
 
 
 def test_baseline_and_std_numerical_precision():
