@@ -136,56 +136,22 @@ class Config:
 # vLLM's share of each GPU holds the weights and the KV cache of a rank's 128 sequences, 28 KiB per
 # token at 1.5B: 0.6 of 80 GB fits them at 8K; at 16K and 24K the shares are as large as the
 # trainer's resident state allows, and long groups preempt (docs/distributed.md).
+# fmt: off
 _DEEPSCALER = dict(
-    task="math",
-    prompts_per_step=128,
-    group_size=8,
-    minibatch_size=64,
-    weight_decay=0.01,
-    warmup_steps=50,
-    grad_clip=1.0,
-    temperature=1.0,
-    eps_low=0.2,
-    activation_checkpointing=True,
-    eval_every=10,
-    eval_samples=16,
-    detailed_progress=True,
-    leave_one_out=True,
-    max_prompt_len=1024,
-    dist_timeout_s=3600,
+    task="math", prompts_per_step=128, group_size=8, minibatch_size=64, weight_decay=0.01,
+    warmup_steps=50, grad_clip=1.0, temperature=1.0, eps_low=0.2, activation_checkpointing=True,
+    eval_every=10, eval_samples=16, detailed_progress=True, leave_one_out=True,
+    max_prompt_len=1024, dist_timeout_s=3600,
 )
 STAGES = {
-    1: dict(
-        _DEEPSCALER,
-        max_seq_len=8192,
-        max_new_tokens=8192,
-        lr=2e-6,
-        kl_beta=0.0,
-        eps_high=0.2,
-        steps=240,
-        gpu_memory_utilization=0.6,
-    ),
-    2: dict(
-        _DEEPSCALER,
-        max_seq_len=16384,
-        max_new_tokens=16384,
-        lr=2e-6,
-        kl_beta=1e-3,
-        eps_high=0.28,
-        steps=290,
-        gpu_memory_utilization=0.8,
-    ),
-    3: dict(
-        _DEEPSCALER,
-        max_seq_len=24576,
-        max_new_tokens=24576,
-        lr=5e-7,
-        kl_beta=1e-4,
-        eps_high=0.28,
-        steps=50,
-        gpu_memory_utilization=0.85,
-    ),
+    1: dict(_DEEPSCALER, max_seq_len=8192, max_new_tokens=8192, lr=2e-6, kl_beta=0.0,
+            eps_high=0.2, steps=240, gpu_memory_utilization=0.6),
+    2: dict(_DEEPSCALER, max_seq_len=16384, max_new_tokens=16384, lr=2e-6, kl_beta=1e-3,
+            eps_high=0.28, steps=290, gpu_memory_utilization=0.8),
+    3: dict(_DEEPSCALER, max_seq_len=24576, max_new_tokens=24576, lr=5e-7, kl_beta=1e-4,
+            eps_high=0.28, steps=50, gpu_memory_utilization=0.85),
 }
+# fmt: on
 # NeMo-RL's grpo-gspo-deepscaler-1.5b-8K: stage 1 + GSPO
 STAGES[4] = dict(STAGES[1], pg="gspo", token_level=False)
 

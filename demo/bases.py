@@ -24,6 +24,7 @@ What it does not do: load models for a run (model.py does, for these and any oth
 tasks and their corpora (demo/tasks.py).
 """
 
+import fcntl
 import itertools
 import json
 import math
@@ -163,14 +164,22 @@ def ensure_base(out: Path, build, minutes: str) -> str:
 
     The checkpoint is written to a temporary folder and renamed into place (save_new), so a killed
     build never leaves a half-written model; a folder with a config.json is a finished build.
+    Processes that need the same base at once (parallel tests, torchrun's ranks) take turns on a
+    lock file beside it: one builds, the others wait and load its build, instead of each building
+    the same model on the same cores.
     """
     if (out / "config.json").exists():
         return str(out)
-    t0 = time.time()
-    print(f"building the base model {out} (once; {minutes} on 2 cores) ...", flush=True)
-    model, tok, extra = build()
-    save_new(out, model, tok, extra)
-    print(f"{out.name} built in {time.time() - t0:.0f}s ({extra})", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if (out / "config.json").exists():  # built by the process that held the lock
+            return str(out)
+        t0 = time.time()
+        print(f"building the base model {out} (once; {minutes} on 2 cores) ...", flush=True)
+        model, tok, extra = build()
+        save_new(out, model, tok, extra)
+        print(f"{out.name} built in {time.time() - t0:.0f}s ({extra})", flush=True)
     return str(out)
 
 
