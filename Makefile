@@ -20,8 +20,10 @@ demo: $(STAMP)
 dpo: $(STAMP)
 	$(PY) dpo.py $(ARGS)
 
+# two pytest-xdist workers, each with its own core (tests/conftest.py); TEST_WORKERS=0 runs in one process
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup) tests $(ARGS)
 
 # the tests that need no vLLM engine, torchrun or training process (grpo.py, reward.py, data.py, flags): seconds
 test-fast: $(STAMP)

@@ -337,7 +337,7 @@ class HFEngine:
         than with transformers' defaults (SDPA, a growing cache).
 
         Both help on some CPUs and not on others (docs/speed.md), so each machine measures it once
-        per model shape and dtype (32 rows x 32 tokens, each way once to warm up, then five pairs
+        per model shape and dtype (16 rows x 16 tokens, each way once to warm up, then five pairs
         taken in turn: a second or two on a small model) and keeps the answer in the model cache,
         which every later engine on the machine reads: runs stay reproducible. The faster path must
         win the median pair by 3%, or the defaults stay.
@@ -355,11 +355,11 @@ class HFEngine:
         path = model.DEFAULT_CACHE / "cpu-decode" / f"{key[:16]}.json"
         if path.exists():
             return json.loads(path.read_text())["fast"]
-        flat = [(0, list(range(1, 9)))] * 32
+        flat = [(0, list(range(1, 9)))] * 16
 
         def seconds(fast: bool) -> float:
             t = time.perf_counter()
-            self._generate_batch(flat, 32, 1.0, 1.0, min_tokens=32, fast=fast)
+            self._generate_batch(flat, 16, 1.0, 1.0, min_tokens=16, fast=fast)
             return time.perf_counter() - t
 
         with torch.random.fork_rng(), torch.no_grad():  # the caller's random stream stays as it was

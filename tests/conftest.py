@@ -23,7 +23,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-torch.set_num_threads(os.cpu_count() or 1)
+# `make test` runs the suite in pytest-xdist's workers (-n): each gets its own share of the cores
+# (CPU affinity, which the processes its tests start inherit, and which train.py's --threads 0
+# divides among torchrun's ranks), so that two workers never run more threads than there are cores
+if os.environ.get("PYTEST_XDIST_WORKER") and hasattr(os, "sched_setaffinity"):
+    _cores = sorted(os.sched_getaffinity(0))
+    _worker = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
+    os.sched_setaffinity(
+        0, _cores[_worker :: int(os.environ["PYTEST_XDIST_WORKER_COUNT"])] or _cores
+    )
+torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 ON_GPU = torch.cuda.is_available()
 # for subprocesses that need no vLLM: they run on the CPU on any machine
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
@@ -91,8 +100,40 @@ def pytest_configure(config):
     )
 
 
+# `make test` runs two pytest-xdist workers with --dist loadgroup: the tests that share an expensive
+# module fixture run on one worker (the fixture once), and the modules whose tests take longest go
+# first, so that neither worker is left alone with a long one at the end
+SHARED_FIXTURES = ("runs", "updates", "uninterrupted", "run30", "lora_run", "one_node_of_two")
+LONGEST_FIRST = [
+    "test_real_model",
+    "test_distributed",
+    "test_faults",
+    "test_experiments",
+    "test_lora",
+    "test_checkpoint",
+    "test_dpo",
+    "test_bench",
+    "test_recipe",
+]
+
+
+def pytest_sessionstart(session):
+    """Before any worker starts: the tiny base, which nearly every test needs, built once here with
+    every core (a fresh machine; the workers then find it in the cache)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        from demo import bases
+        import model
+
+        model.resolve(bases.TINY)
+
+
 def pytest_collection_modifyitems(items):
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.module.__name__, len(order)))
     for item in items:
+        shared = [f for f in SHARED_FIXTURES if f in item.fixturenames]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
         if item.module.__name__ in SLOW_MODULES or {"vllm_engine", "_vllm"} & set(
             item.fixturenames
         ):

@@ -1,6 +1,8 @@
 """Run under torchrun by tests/test_distributed.py: one job per invocation, results written as
 files.
 
+updates OUT CASES  the update job below for each case of CASES, a JSON object {name: [MICRO_TOKENS,
+                   MINIBATCHES, LR, OPT, PG, LORA_RANK, MODEL]}, in one process group: OUT/NAME.pt
 update OUT MICRO_TOKENS MINIBATCHES LR OPT [PG [LORA_RANK [MODEL]]]
                    one GRPO update (OPT adamw or sgd; PG ppo, gspo or cispo; LoRA adapters of that
                    rank, the KL reference then the base with adapters off) on a fixed global batch,
@@ -67,7 +69,7 @@ def update(
     lora_rank: int = 0,
     base: str = bases.TINY,
 ):
-    rank, world = distributed.init(120)
+    rank, world = distributed.rank(), distributed.world_size()
     path = model.resolve(base)
     tok = model.load_tokenizer(path)
     small = base == bases.SMOLLM2
@@ -146,6 +148,15 @@ def update(
         merged = {n: t.cpu() for n, t in model.hf_weights(policy.lm, torch.float32)}
         if distributed.is_main():
             torch.save(merged, f"{out}.merged")
+
+
+def updates(out: Path, cases: dict[str, list]) -> None:
+    """Each case's update in one process (one start-up of torch, transformers and the group for
+    all of them); each starts from the model files, with its own seeds."""
+    distributed.init(120)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (micro_tokens, minibatches, lr, opt, pg, lora_rank, base) in cases.items():
+        update(out / f"{name}.pt", micro_tokens, minibatches, lr, opt, pg, lora_rank, base)
     distributed.close()
 
 
@@ -263,16 +274,7 @@ def hang(out: Path):
 if __name__ == "__main__":
     job, out = sys.argv[1], Path(sys.argv[2])
     {
-        "update": lambda: update(
-            out,
-            int(sys.argv[3]),
-            int(sys.argv[4]),
-            float(sys.argv[5]),
-            sys.argv[6],
-            *sys.argv[7:8],
-            *map(int, sys.argv[8:9]),
-            *sys.argv[9:10],
-        ),
+        "updates": lambda: updates(out, json.loads(sys.argv[3])),
         "refit": lambda: refit(out, int(sys.argv[3])),
         "die": lambda: die(out),
         "policy": lambda: policy(out),

@@ -63,61 +63,47 @@ def same_update_tolerance(lr: float) -> float:
     return 1e-4 * lr
 
 
-# one optimizer step over several micro-batches (and activation checkpointing)
-# two minibatches: the second step sees ratios != 1 and KL != 0
-@pytest.mark.parametrize(
-    "micro_tokens,minibatches,lr,opt,pg,lora_rank",
-    [
-        # plain SGD without clipping moves each weight by -lr * its gradient, so a gradient off by a
-        # constant factor (a wrong normalizer or rank scaling) shows; Adam and clipping would hide
-        # such a factor
-        (10_000, 1, 1.0, "sgd", "ppo", 0),  # one optimizer step, one micro-batch per rank
-        (
-            12,
-            1,
-            1e-3,
-            "adamw",
-            "ppo",
-            0,
-        ),
-        (
-            12,
-            2,
-            1e-4,
-            "adamw",
-            "ppo",
-            0,
-        ),
-        # GSPO (sequence ratio, sequence-level normalizer) and CISPO (stop-gradient weight) on the
-        # same two steps: the second step's ratios != 1 exercise their clipping
-        (12, 2, 1e-4, "adamw", "gspo", 0),
-        (12, 2, 1e-4, "adamw", "cispo", 0),
-        # LoRA: frozen base and trainable adapters in the same FSDP groups; the KL reference is the
-        # policy with its adapters off. SGD shows a gradient off by a factor; AdamW over two
-        # minibatches, the state of the adapters only
-        (12, 1, 1.0, "sgd", "ppo", 2),
-        (12, 2, 1e-3, "adamw", "ppo", 2),
-    ],
-    ids=[
-        "sgd-one-micro-batch",
-        "micro-batched",
-        "two-minibatches",
-        "two-minibatches-gspo",
-        "two-minibatches-cispo",
-        "lora-sgd",
-        "lora-two-minibatches",
-    ],
-)
-def test_two_ranks_give_the_same_update_as_one(
-    tmp_path, tiny_path, micro_tokens, minibatches, lr, opt, pg, lora_rank
-):
-    results = {}
+# name: (micro-batch tokens, minibatches, lr, optimizer, policy loss, LoRA rank, base)
+# fmt: off
+UPDATES = {
+    # plain SGD without clipping moves each weight by -lr * its gradient, so a gradient off by a
+    # constant factor (a wrong normalizer or rank scaling) shows; Adam and clipping would hide it
+    "sgd-one-micro-batch": (10_000, 1, 1.0, "sgd", "ppo", 0, "tiny"),
+    # one optimizer step over several micro-batches (and activation checkpointing)
+    "micro-batched": (12, 1, 1e-3, "adamw", "ppo", 0, "tiny"),
+    # two minibatches: the second step sees ratios != 1 and KL != 0
+    "two-minibatches": (12, 2, 1e-4, "adamw", "ppo", 0, "tiny"),
+    # GSPO (sequence ratio, sequence-level normalizer) and CISPO (stop-gradient weight) on the
+    # same two steps: the second step's ratios != 1 exercise their clipping
+    "two-minibatches-gspo": (12, 2, 1e-4, "adamw", "gspo", 0, "tiny"),
+    "two-minibatches-cispo": (12, 2, 1e-4, "adamw", "cispo", 0, "tiny"),
+    # LoRA: frozen base and trainable adapters in the same FSDP groups; the KL reference is the
+    # policy with its adapters off. SGD shows a gradient off by a factor; AdamW over two
+    # minibatches, the state of the adapters only
+    "lora-sgd": (12, 1, 1.0, "sgd", "ppo", 2, "tiny"),
+    "lora-two-minibatches": (12, 2, 1e-3, "adamw", "ppo", 2, "tiny"),
+    # SmolLM2-135M ties its LM head to the embedding (test_tied_embeddings_...): unclipped SGD in
+    # float64 on a short batch (4 prompts x 2), no KL
+    "smollm2-tied": (10_000, 1, 1.0, "sgd", "ppo", 0, "smollm2"),
+}
+# fmt: on
+
+
+@pytest.fixture(scope="module")
+def updates(tmp_path_factory, tiny_path) -> dict:
+    """Every case of UPDATES at world sizes 1 and 2: {n: folder of NAME.pt}. One torchrun per world
+    size runs them all, each case from the model files with its own seeds."""
+    out = tmp_path_factory.mktemp("updates")
     for n in (1, 2):
-        r = torchrun(
-            n, "update", tmp_path / f"w{n}.pt", micro_tokens, minibatches, lr, opt, pg, lora_rank
-        )
+        r = torchrun(n, "updates", out / f"n{n}", json.dumps(UPDATES), timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
-        results[n] = torch.load(tmp_path / f"w{n}.pt")
+    return {n: out / f"n{n}" for n in (1, 2)}
+
+
+@pytest.mark.parametrize("case", [c for c in UPDATES if UPDATES[c][-1] == "tiny"])
+def test_two_ranks_give_the_same_update_as_one(updates, tiny_path, case):
+    micro_tokens, minibatches, lr, opt, pg, lora_rank, _ = UPDATES[case]
+    results = {n: torch.load(updates[n] / f"{case}.pt") for n in (1, 2)}
     assert results[2].keys() == results[1].keys()
     for k, w1 in results[1].items():
         assert (results[2][k] - w1).abs().max().item() <= same_update_tolerance(lr), k
@@ -126,7 +112,7 @@ def test_two_ranks_give_the_same_update_as_one(
     init = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
     # the adapters moved (B from the worker's start, 0.05 * N(0, 1)); the base did not
     if lora_rank:
-        start = torch.load(tmp_path / "w1.pt.start")
+        start = torch.load(updates[1] / f"{case}.pt.start")
         moved = max((results[1][k] - start[k]).abs().max().item() for k in start)
         base = {
             k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
@@ -137,7 +123,7 @@ def test_two_ranks_give_the_same_update_as_one(
         assert all(torch.equal(v.float(), init[k]) for k, v in base.items())
         # the refit's merged weights (float32, cast on the shards): the same at both world sizes, W
         # + scale * B A
-        merged = {n: torch.load(tmp_path / f"w{n}.pt.merged") for n in (1, 2)}
+        merged = {n: torch.load(updates[n] / f"{case}.pt.merged") for n in (1, 2)}
         assert merged[1].keys() == merged[2].keys() == base.keys()
         assert all(t.dtype == torch.float32 for t in merged[2].values())
         p = {k.removeprefix("base_model.model."): v for k, v in results[2].items()}
@@ -164,31 +150,14 @@ def test_two_ranks_give_the_same_update_as_one(
     assert moved > (0.5 * lr if opt == "adamw" else 1e-3)  # the update really changed the weights
 
 
-def test_tied_embeddings_of_the_real_model_get_the_same_update_at_two_ranks(tmp_path):
+def test_tied_embeddings_of_the_real_model_get_the_same_update_at_two_ranks(updates):
     # SmolLM2-135M (--model smollm2) ties its LM head to the embedding: one tensor, two uses, whose
-    # gradient is the sum of both under FSDP2 as in one process. Unclipped SGD in float64 on a short
-    # batch (4 prompts x 2), no KL
+    # gradient is the sum of both under FSDP2 as in one process (UPDATES["smollm2-tied"])
     from demo import bases
     import model
     from safetensors.torch import load_file
 
-    results = {}
-    for n in (1, 2):
-        r = torchrun(
-            n,
-            "update",
-            tmp_path / f"w{n}.pt",
-            10_000,
-            1,
-            1.0,
-            "sgd",
-            "ppo",
-            0,
-            bases.SMOLLM2,
-            timeout=600,
-        )
-        assert r.returncode == 0, r.stderr[-3000:]
-        results[n] = torch.load(tmp_path / f"w{n}.pt")
+    results = {n: torch.load(updates[n] / "smollm2-tied.pt") for n in (1, 2)}
     assert results[2].keys() == results[1].keys()
     for k, w1 in results[1].items():
         assert (results[2][k] - w1).abs().max().item() <= same_update_tolerance(1.0), k
@@ -243,7 +212,7 @@ def test_the_process_set_up_and_precision_policy_of_a_sharded_run(tmp_path):
     res = [json.loads((tmp_path / f"policy.rank{rank}").read_text()) for rank in (0, 1)]
     for rank, got in enumerate(res):
         # the node's cores shared by its two ranks
-        assert got["threads"] == max(1, (os.cpu_count() or 1) // 2)
+        assert got["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
         # after a forward without grad FSDP2 leaves the root (embedding, norm, head) gathered unless
         # resharded; under the bf16 policy every parameter stays a float32 shard
         assert got["bf16"] and all(
