@@ -36,6 +36,9 @@ torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffi
 ON_GPU = torch.cuda.is_available()
 # for subprocesses that need no vLLM: they run on the CPU on any machine
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+# for the tests that read the Makefile with `make -n`: without the variables of the `make test
+# ARGS=...` that started this session, which make would pass on to the inner make
+MAKE_ENV = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
 
 
 @pytest.fixture(scope="session")
@@ -104,6 +107,12 @@ def pytest_configure(config):
 # module fixture run on one worker (the fixture once), and the modules whose tests take longest go
 # first, so that neither worker is left alone with a long one at the end
 SHARED_FIXTURES = ("runs", "updates", "uninterrupted", "run30", "lora_run", "one_node_of_two")
+# vLLM's CPU backend names the shared memory of a tensor-parallel group the same way in every
+# process: two such groups at once (one per worker) collide, so these run on one worker in turn
+ONE_AT_A_TIME = (
+    "test_refit_from_shards_matches_trainer_on_each_rank",
+    "test_train_under_torchrun_with_a_tensor_parallel_engine",
+)
 LONGEST_FIRST = [
     "test_real_model",
     "test_distributed",
@@ -127,6 +136,7 @@ def pytest_sessionstart(session):
         model.resolve(bases.TINY)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(items):
     order = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: order.get(item.module.__name__, len(order)))
@@ -134,6 +144,8 @@ def pytest_collection_modifyitems(items):
         shared = [f for f in SHARED_FIXTURES if f in item.fixturenames]
         if shared:
             item.add_marker(pytest.mark.xdist_group(shared[0]))
+        elif item.originalname in ONE_AT_A_TIME:
+            item.add_marker(pytest.mark.xdist_group("vllm-tensor-parallel"))
         if item.module.__name__ in SLOW_MODULES or {"vllm_engine", "_vllm"} & set(
             item.fixturenames
         ):

@@ -14,6 +14,7 @@ import pytest
 
 from tools import experiments as X
 from checks import UserError
+from conftest import MAKE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -244,6 +245,7 @@ def test_smollm2_setup_is_the_makefiles_run_shortened(tmp_path):
             f"S={tmp_path}",
         ],
         cwd=ROOT,
+        env=MAKE_ENV,
         capture_output=True,
         text=True,
         check=True,

@@ -26,6 +26,7 @@ from tools import recipe
 import rollout
 from demo import tasks
 import train
+from conftest import MAKE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,6 +56,7 @@ def recipe_commands(base: str, out: Path) -> list[list[str]]:
             "MINIBATCH=16",
         ],
         cwd=ROOT,
+        env=MAKE_ENV,
         capture_output=True,
         text=True,
         check=True,

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import MAKE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
@@ -44,7 +45,7 @@ def make_n(tmp_path: Path, python: str, driver: str | None) -> subprocess.Comple
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        env=dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{path}"),
+        env=dict(MAKE_ENV, PATH=f"{bin_dir}{os.pathsep}{path}"),
         timeout=60,
     )
 
