@@ -38,7 +38,9 @@ ON_GPU = torch.cuda.is_available()
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 # for the tests that read the Makefile with `make -n`: without the variables of the `make test
 # ARGS=...` that started this session, which make would pass on to the inner make
-MAKE_ENV = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+MAKE_ENV = {
+    k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS")
+}
 
 
 @pytest.fixture(scope="session")
@@ -82,6 +84,7 @@ SLOW_MODULES = {
     "test_bench",
     "test_checkpoint",
     "test_distributed",
+    "test_distributed_runs",
     "test_dpo",
     "test_recipe",
     "test_rollout",
@@ -103,25 +106,22 @@ def pytest_configure(config):
     )
 
 
-# `make test` runs two pytest-xdist workers with --dist loadgroup: the tests that share an expensive
-# module fixture run on one worker (the fixture once), and the modules whose tests take longest go
-# first, so that neither worker is left alone with a long one at the end
-SHARED_FIXTURES = ("runs", "updates", "uninterrupted", "run30", "lora_run", "one_node_of_two")
-# vLLM's CPU backend names the shared memory of a tensor-parallel group the same way in every
-# process: two such groups at once (one per worker) collide, so these run on one worker in turn
-ONE_AT_A_TIME = (
-    "test_refit_from_shards_matches_trainer_on_each_rank",
-    "test_train_under_torchrun_with_a_tensor_parallel_engine",
-)
+# `make test` runs two pytest-xdist workers with --dist loadfile: a test file's tests run on one
+# worker, in order (a module fixture, such as a training run several tests read, runs once), and the
+# files whose tests take longest go first, so that neither worker is left alone with a long one at
+# the end. (loadgroup's xdist_group marks would group finer, but xdist 3.8 sets them through a node
+# attribute that pytest 9 no longer reads.)
 LONGEST_FIRST = [
+    "test_distributed_runs",
     "test_real_model",
     "test_distributed",
-    "test_faults",
-    "test_experiments",
     "test_lora",
+    "test_faults",
     "test_checkpoint",
     "test_dpo",
+    "test_experiments",
     "test_bench",
+    "test_train",
     "test_recipe",
 ]
 
@@ -136,16 +136,10 @@ def pytest_sessionstart(session):
         model.resolve(bases.TINY)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(items):
     order = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: order.get(item.module.__name__, len(order)))
     for item in items:
-        shared = [f for f in SHARED_FIXTURES if f in item.fixturenames]
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(shared[0]))
-        elif item.originalname in ONE_AT_A_TIME:
-            item.add_marker(pytest.mark.xdist_group("vllm-tensor-parallel"))
         if item.module.__name__ in SLOW_MODULES or {"vllm_engine", "_vllm"} & set(
             item.fixturenames
         ):
