@@ -127,9 +127,10 @@ LONGEST_FIRST = [
 
 
 def pytest_sessionstart(session):
-    """Before any worker starts: the tiny base, which nearly every test needs, built once here with
-    every core (a fresh machine; the workers then find it in the cache)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    """Before xdist's workers start: the tiny base, which nearly every test needs, built once here
+    with every core (a fresh machine; the workers then find it in the cache). Without workers the
+    tiny_path fixture builds it when a test first needs it."""
+    if session.config.getoption("numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
         from demo import bases
         import model
 
