@@ -333,9 +333,7 @@ class Run:
         ckpt, start = resumed
         distributed.print0(f"resumed from {ckpt} at step {start}")
         self.history = self.log_file.start(keep_until=start) if self.log_file else []
-        self.last_eval = next(
-            (r for r in reversed(self.history) if any(k.startswith("heldout") for k in r)), {}
-        )
+        self.last_eval = next((heldout(r) for r in reversed(self.history) if heldout(r)), {})
         return start
 
     def steps(self, start: int):
@@ -365,8 +363,7 @@ class Run:
         """A step's row, with its seconds and the run's, to metrics.jsonl and the progress bar.
         --max-skipped-steps steps in a row with a skipped update (non-finite loss or gradient) stop
         the run."""
-        if any(k.startswith("heldout") for k in row):
-            self.last_eval = {k: v for k, v in row.items() if k.startswith("heldout")}
+        self.last_eval = heldout(row) or self.last_eval
         if step > 0:
             self.bad_steps = self.bad_steps + 1 if row["skipped_updates"] else 0
             if self.bad_steps >= self.run.max_skipped_steps:
