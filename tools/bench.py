@@ -50,6 +50,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -699,8 +700,7 @@ def run_ring(cfg: BenchConfig, model_name: str, engines: list[str], out: Path) -
         os.close(done_r)
         log.close()
         if p.returncode != 0 or not res_file.exists():
-            tail = (Path(log.name).read_text().strip().splitlines() or ["?"])[-1][:200]
-            res = {"error": f"failed: {tail} (see {log.name})"}
+            res = {"error": failure(p.returncode, Path(log.name))}
         else:
             res = json.loads(res_file.read_text())
             if engine_name.startswith("trl") and "error" not in res:  # TRL absent: its row says so
@@ -708,6 +708,16 @@ def run_ring(cfg: BenchConfig, model_name: str, engines: list[str], out: Path) -
         results[(model_name, engine_name)] = res
     print(f"{time.time() - t0:.0f}s", flush=True)
     return results
+
+
+def failure(returncode: int, log: Path) -> str:
+    """A configuration's row when its process failed: the signal that killed it (SIGKILL is most
+    often the kernel's OOM killer: see dmesg), else its log's last line."""
+    if returncode < 0:
+        hint = ": out of memory?" if returncode == -signal.SIGKILL else ""
+        return f"killed by {signal.Signals(-returncode).name}{hint} (see {log.name})"
+    tail = (log.read_text().strip().splitlines() or ["?"])[-1][:200]
+    return f"failed: {tail} (see {log.name})"
 
 
 def cpu_description() -> str:
