@@ -14,6 +14,7 @@ free-memory check.
 """
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,6 +42,16 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 MAKE_ENV = {
     k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS")
 }
+
+
+def make_dry_run(target: str, *variables: str) -> str:
+    """`make -s -n TARGET VAR=VALUE ...` in the repository: the command lines a target would run
+    (with this interpreter as PY), whether or not .venv is installed."""
+    stamps = ["-o", ".venv/.installed-requirements-cpu", "-o", ".venv/.installed-requirements"]
+    cmd = ["make", "-s", "-n", *stamps, target, f"PY={sys.executable}", *variables]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=MAKE_ENV, capture_output=True, text=True, check=True
+    ).stdout
 
 
 @pytest.fixture(scope="session")

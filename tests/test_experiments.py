@@ -14,7 +14,7 @@ import pytest
 
 from tools import experiments as X
 from checks import UserError
-from conftest import MAKE_ENV
+from conftest import make_dry_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -231,25 +231,7 @@ def test_smollm2_setup_is_the_makefiles_run_shortened(tmp_path):
 
     import train
 
-    text = subprocess.run(
-        [
-            "make",
-            "-s",
-            "-n",
-            "-o",
-            ".venv/.installed-requirements-cpu",
-            "-o",
-            ".venv/.installed-requirements",
-            "smollm2",
-            f"PY={sys.executable}",
-            f"S={tmp_path}",
-        ],
-        cwd=ROOT,
-        env=MAKE_ENV,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    text = make_dry_run("smollm2", f"S={tmp_path}")
     theirs = next(shlex.split(x) for x in text.splitlines() if " train.py " in x)
     theirs = train.parse_args(
         theirs[theirs.index(next(w for w in theirs if w.endswith("train.py"))) + 1 :]

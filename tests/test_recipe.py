@@ -12,8 +12,6 @@ engines.
 
 import json
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import tyro
@@ -26,7 +24,7 @@ from tools import recipe
 import rollout
 from demo import tasks
 import train
-from conftest import MAKE_ENV
+from conftest import make_dry_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,33 +32,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def recipe_commands(base: str, out: Path) -> list[list[str]]:
     """`make recipe`'s command lines (script first), with the tiny base, a scratch folder and 2
     steps per stage."""
-    text = subprocess.run(
-        [
-            "make",
-            "-s",
-            "-n",
-            "-o",
-            ".venv/.installed-requirements-cpu",
-            "-o",
-            ".venv/.installed-requirements",
-            "recipe",
-            f"PY={sys.executable}",
-            f"MODEL={base}",
-            f"R={out}",
-            "STEPS1=2",
-            "STEPS2=2",
-            "STEPS3=2",
-            "K=2",
-            "PROMPTS=8",
-            "GROUP=4",
-            "MINIBATCH=16",
-        ],
-        cwd=ROOT,
-        env=MAKE_ENV,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    text = make_dry_run(
+        "recipe",
+        f"MODEL={base}",
+        f"R={out}",
+        "STEPS1=2",
+        "STEPS2=2",
+        "STEPS3=2",
+        "K=2",
+        "PROMPTS=8",
+        "GROUP=4",
+        "MINIBATCH=16",
+    )
     lines = [shlex.split(line) for line in text.splitlines() if line.strip()]
     # from the script
     return [words[next(i for i, w in enumerate(words) if w.endswith(".py")) :] for words in lines]
