@@ -239,7 +239,9 @@ def table(s: Shape, lengths=(8192, 16384, 24576), **kw) -> str:
     rows = {n: estimate(s, n, **kw) for n in lengths}
     tots = {n: totals(rows[n]) for n in lengths}
     out = [
-        "| GiB per rank | " + " | ".join(f"{n // 1024}K tokens" for n in lengths) + " |",
+        "| GiB per rank | "
+        + " | ".join(f"{n // 1024}K tokens" if n % 1024 == 0 else f"{n:,} tokens" for n in lengths)
+        + " |",
         "|---|" + "---|" * len(lengths),
     ]
     for k in rows[lengths[0]]:
