@@ -142,8 +142,11 @@ def _logp_entropy_chunk(hidden, lm_head_weight, targets, temperature: float, wit
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # [n]
     if not with_entropy:
         return logp, torch.zeros_like(logp)
-    p = torch.softmax(logits, dim=-1)
-    entropy = logz - (p * logits).sum(-1)  # H = log Z - E_p[logit]
+    # a metric, never differentiated: with grad on, its graph would keep two more [n, V] tensors
+    # for the backward of every chunk
+    with torch.no_grad():
+        p = torch.softmax(logits, dim=-1)
+        entropy = logz - (p * logits).sum(-1)  # H = log Z - E_p[logit]
     return logp, entropy
 
 

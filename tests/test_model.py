@@ -71,19 +71,26 @@ def test_chunked_logprobs_match_float64(tiny_path, tok, chunk, temperature):
     torch.testing.assert_close(ent.double(), want_ent, atol=1e-5, rtol=1e-5)
 
 
-def test_chunked_gradient_matches_float64_reference(tiny_path, tok):
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_chunked_gradient_matches_float64_reference(tiny_path, tok, with_entropy):
     """The checkpointed, chunked path backpropagates the same gradient as full-batch logits (float64
-    model; HF keeps RoPE in float32)."""
+    model; HF keeps RoPE in float32). The entropy beside it (the update's metric) is the same
+    number and carries no graph: its softmax is not kept for a backward."""
     input_ids, am, start, T, resp_lens = random_batch(tok, seed=1)
     m = model.load_model(tiny_path).double()
-    lp, _ = model.token_logprobs(m, input_ids, am, start, T, 1.0, chunk_tokens=2)
+    lp, ent = model.token_logprobs(
+        m, input_ids, am, start, T, 1.0, chunk_tokens=2, with_entropy=with_entropy
+    )
+    assert not ent.requires_grad
     lp.sum().backward()
     got = torch.cat([p.grad.flatten() for p in m.parameters()])
     m_ref = model.load_model(tiny_path)
-    want_lp, _ = reference(m_ref, input_ids, am, start, T, resp_lens, 1.0)
+    want_lp, want_ent = reference(m_ref, input_ids, am, start, T, resp_lens, 1.0)
     want_lp.sum().backward()
     want = torch.cat([p.grad.flatten() for p in m_ref.parameters()])
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)  # RoPE tables stay float32 in HF
+    if with_entropy:
+        torch.testing.assert_close(ent.detach(), want_ent.detach(), atol=1e-5, rtol=1e-5)
 
 
 def test_tiny_tokenizer_survives_save_and_load(tiny_path, tok):
