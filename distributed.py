@@ -21,7 +21,7 @@ What it does:
 - micro_batches: token-budget micro-batches, the same number on every rank (FSDP's collectives need
   it).
 - reuse_freed_memory: on CPU, glibc keeps freed memory for the next step instead of returning it to
-  the kernel.
+  the kernel; release_freed_memory gives it back before a forward when over a GiB of it is held.
 - close: the end of a run's distributed state, the engine first.
 
 Imported as `distributed` (never `dist`, which reads as torch.distributed; this file imports torch's
@@ -82,6 +82,17 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
+        "keepcost".split()
+    ]
+
+
+_LIBC = None  # glibc, once reuse_freed_memory has set it up
+
+
 def reuse_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory in its heap for reuse, instead of returning it to the
     kernel.
@@ -89,16 +100,33 @@ def reuse_freed_memory() -> bool:
     Why: on CPU PyTorch has no caching allocator. Every activation is a fresh malloc, glibc serves
     the large ones with mmap and frees them with munmap, so every step page-faults all of its
     activation memory in again, each 4 KiB page zeroed by the kernel (about a tenth of an update's
-    time: docs/speed.md). With no mmap and no trimming the heap grows to the peak once and every
-    later step reuses it; the cost is a slightly higher peak, not given back between steps.
+    time: docs/speed.md). With no mmap and no trimming the heap grows to the peak once and later
+    passes reuse it. The cost: a micro-batch's large tensors do not fit back into the holes the
+    previous one left, so without release_freed_memory the heap would grow pass after pass.
     Process-wide; a no-op (False) where libc is not glibc.
     """
+    global _LIBC
     try:
         libc = ctypes.CDLL("libc.so.6")
         M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
-        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+        ok = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+        libc.mallinfo2.restype = _Mallinfo2  # glibc >= 2.33
     except (OSError, AttributeError):
         return False
+    _LIBC = libc if ok else None
+    return ok
+
+
+def release_freed_memory(min_gib: float = 1.0) -> bool:
+    """After reuse_freed_memory: give the heap's free pages back to the kernel (malloc_trim) when
+    it holds more than `min_gib` of them, and say whether it did. Called before every forward over
+    a micro-batch (model.LogprobModel), it keeps a process's peak at about one pass's heap: small
+    models never reach the bound and keep every page; a large micro-batch faults its pages in again
+    rather than growing the heap (measured in docs/distributed.md). A no-op elsewhere."""
+    if _LIBC is None or _LIBC.mallinfo2().fordblks < min_gib * 2**30:
+        return False
+    _LIBC.malloc_trim(0)
+    return True
 
 
 def in_group() -> bool:

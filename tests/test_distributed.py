@@ -260,5 +260,43 @@ def test_reuse_freed_memory_stops_page_faults_on_every_step(reuse):
         assert int(out) > pages // 2
 
 
+RELEASE = """
+import sys, torch
+sys.path.insert(0, {root!r})
+import distributed
+assert distributed.reuse_freed_memory()
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+# a micro-batch's tensors, written and freed: the heap keeps their pages
+acts = [torch.empty(mib * 2**20 // 4).fill_(1.0) for mib in {sizes}]
+del acts
+held = rss_mib()
+small = distributed.release_freed_memory(min_gib={above})
+after_small = rss_mib()
+large = distributed.release_freed_memory(min_gib={below})
+print(small, large, held - after_small, after_small - rss_mib())
+"""
+
+
+def test_release_freed_memory_gives_back_a_large_heap_only():
+    """reuse_freed_memory's heap keeps a freed micro-batch's pages (no fault on the next pass);
+    release_freed_memory gives them back once more than its bound is free, and not before."""
+    root, sizes = str(Path(__file__).resolve().parents[1]), [96, 64, 48, 32, 16]  # 256 MiB
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RELEASE.format(root=root, sizes=sizes, above=0.5, below=0.125),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    small, large, dropped_small, dropped_large = out[0], out[1], float(out[2]), float(out[3])
+    assert (small, large) == ("False", "True")
+    assert abs(dropped_small) < 16  # under the bound: kept
+    assert dropped_large > 0.8 * sum(sizes)  # over it: given back
+
+
 # ----------------------------------------------------------------------------------------------
 # A GRPO run under torchrun: over two "nodes", and killed then resumed
