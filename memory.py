@@ -184,8 +184,9 @@ def estimate(
         # glibc's heap keeps freed tensors for reuse (distributed.reuse_freed_memory), and a pass's
         # tensors of many sizes do not fit back into each other's holes: what the heap holds beyond
         # the live tensors grows with the micro-batch's tokens, not with what checkpointing keeps.
-        # Measured on SmolLM2 (float32, 2.4K-8.2K tokens, with and without checkpointing; docs/
-        # distributed.md, "Memory on CPU, measured"): about 0.6 GiB + ten layers' activations a token
+        # Measured on SmolLM2 (float32, 2.4K-8.2K tokens, with and without checkpointing;
+        # docs/distributed.md, "Memory on CPU, measured"): about 0.6 GiB + ten layers' activations
+        # a token
         rows["the process's heap beyond its live tensors (CPU)"] = (
             0.6 + 10 * act_layer * tokens / GiB
         )
