@@ -103,16 +103,18 @@ def reuse_freed_memory() -> bool:
     time: docs/speed.md). With no mmap and no trimming the heap grows to the peak once and later
     passes reuse it. The cost: a micro-batch's large tensors do not fit back into the holes the
     previous one left, so without release_freed_memory the heap would grow pass after pass.
-    Process-wide; a no-op (False) where libc is not glibc.
+    Process-wide; a no-op (False) where libc is not glibc, or a glibc older than 2.33.
     """
     global _LIBC
     try:
         libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
-        ok = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
-        libc.mallinfo2.restype = _Mallinfo2  # glibc >= 2.33
+        # release_freed_memory needs mallinfo2 (glibc >= 2.33) to bound the heap: without it,
+        # glibc's defaults stay, rather than a heap that would grow unchecked
+        libc.mallinfo2.restype = _Mallinfo2
     except (OSError, AttributeError):
         return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
+    ok = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
     _LIBC = libc if ok else None
     return ok
 
