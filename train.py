@@ -116,6 +116,11 @@ class Config:
     dynamic_sampling: bool = False
     # generation rounds per step before training on what was kept
     dynamic_sampling_max_tries: int = 4
+    # samples whose advantage is exactly 0 (a group whose rewards are all equal) run no forward or
+    # backward in the update: their loss and gradient are exactly 0, so the weights after the step
+    # are the same, in less time (the loss's normalizers still count them); off: computed anyway.
+    # Only while --kl-beta is 0: the KL term does not vanish with the advantage
+    skip_zero_advantage: bool = True
     # evaluation and progress
     eval_prompts: int = 200  # held-out prompts evaluated
     # also bars for each step's rollout, training and evaluation (long GPU steps)
@@ -250,6 +255,11 @@ def load_policy_and_ref(cfg: Config, path: str, device):
     policy = model.load_trainable(path, device, ckpt, remote, adapters=cfg.lora)
     if cfg.loss.kl_beta == 0:
         return policy, None
+    if cfg.skip_zero_advantage:  # trained_rows
+        distributed.print0(
+            f"--kl-beta {cfg.loss.kl_beta}: every sample runs forward and backward in the update "
+            "(the KL term does not vanish with the advantage), none is skipped"
+        )
     if cfg.lora.on:
         return policy, policy
     ref = model.load_trainable(path, device, False, remote)
@@ -603,20 +613,21 @@ def old_logprobs(policy, ref, b: Batch, cfg: Config, device) -> Batch:
     With one minibatch old_logp stays None and costs no pass: the policy has not moved before its
     only update, so the update's own forward, detached, gives the old logprobs (update_policy); the
     logged loss is then near 0 (ratio 1, advantages centred) while its gradient is not. ref_logp is
-    None without a reference model.
+    None without a reference model. Rows the update skips (trained_rows) get no old logprobs (0).
     """
 
-    def pass_over(m) -> torch.Tensor:  # [N, T]
+    def pass_over(m, rows) -> torch.Tensor:  # [N, T], 0 in rows not passed over
         out = torch.zeros_like(b.gen_logp)
-        for mb in micro_batches(b, b.rows, cfg.run.micro_batch_tokens):
+        for mb in micro_batches(b, rows, cfg.run.micro_batch_tokens):
             out[mb.rows, : mb.T] = logprobs(m, mb.to(device), cfg, device, grad=False)[0].cpu()
         return out
 
-    old_logp = pass_over(policy) if n_minibatches(cfg) > 1 else None
+    # only the rows the update will compute (trained_rows)
+    old_logp = pass_over(policy, trained_rows(b, b.rows, cfg)) if n_minibatches(cfg) > 1 else None
     if ref is None:
         return replace(b, old_logp=old_logp)
     with lora.adapters_off(ref.lm):  # a no-op for a frozen copy, which has no adapters
-        return replace(b, old_logp=old_logp, ref_logp=pass_over(ref))
+        return replace(b, old_logp=old_logp, ref_logp=pass_over(ref, b.rows))
 
 
 @dataclass
@@ -627,7 +638,10 @@ class Update:
     loss: grpo.LossMetrics = field(default_factory=grpo.LossMetrics)  # the loss and its diagnostics
     # engine vs trainer before the update
     mismatch: grpo.Mismatch = field(default_factory=grpo.Mismatch)
-    entropy: float = 0.0  # the policy's entropy, summed over response tokens
+    # the policy's entropy, summed over the response tokens of the rows the update computed
+    entropy: float = 0.0
+    seqs: int = 0  # rows the update computed (the others had advantage 0: trained_rows)
+    resp_tokens: float = 0.0  # their response tokens (entropy and mismatch cover these)
     grad_norm: float = 0.0  # of the last minibatch, before clipping
     skipped: int = 0  # minibatch updates skipped for a non-finite loss or gradient
 
@@ -642,8 +656,14 @@ def update_policy(
     policy.train()
     upd = Update()
     for rows in minibatches(len(b.rows), cfg, first_group):
-        norm = normalizer(b, rows, cfg.loss.token_level)
-        micro = micro_batches(b, rows, cfg.run.micro_batch_tokens)
+        norm = normalizer(b, rows, cfg.loss.token_level)  # over all the minibatch's rows
+        work = trained_rows(b, rows, cfg)  # those whose loss term can be non-zero
+        # a minibatch with nothing to train on anywhere still steps AdamW (its moments and weight
+        # decay move the weights on a zero gradient): one stand-in pass gives every rank that zero
+        micro = micro_batches(b, work, cfg.run.micro_batch_tokens) or [b.stand_in()]
+        # the skipped rows' loss tokens count where they would have (clip fractions: A = 0 clips
+        # nothing)
+        upd.loss.tokens += float(b.loss_mask[sorted(set(rows) - set(work))].sum())
         for k, mb in enumerate(micro):
             mb = mb.to(device)
             logp, entropy = logprobs(policy, mb, cfg, device, grad=True)  # [n, T] each
@@ -658,6 +678,8 @@ def update_policy(
             runtime.accumulate(upd.loss, metrics)
             runtime.accumulate(upd.mismatch, grpo.mismatch_metrics(mb.gen_logp, old, mb.resp_mask))
             upd.entropy += float((entropy.detach() * mb.resp_mask).sum())
+            upd.seqs += len(mb.rows)
+            upd.resp_tokens += float(mb.resp_mask.sum())
         upd.grad_norm, skipped = runtime.optimizer_step(policy, opt, cfg.run.grad_clip)
         upd.skipped += skipped
     if upd.skipped < n_minibatches(cfg):
@@ -665,6 +687,22 @@ def update_policy(
         sched.step()
     policy.eval()
     return upd
+
+
+def trained_rows(b: Batch, rows: list[int], cfg: Config) -> list[int]:
+    """The rows of `rows` whose forward and backward the update runs: all, or with
+    --skip-zero-advantage (the default) those whose advantage is not exactly 0.
+
+    Every term of the policy loss (PPO's clipped ratio, GSPO, CISPO, REINFORCE, dual clip, the
+    importance weights, which are finite) is A times something finite, so a row with A = 0 adds
+    exactly 0 to the loss and to every gradient; the normalizers still count it (normalizer). Left
+    out, it changes when its zeros would have been added, nothing else: the weights after the step
+    are those of computing everything, up to float rounding from the other rows' new grouping into
+    micro-batches. The KL term does not vanish with A, so with --kl-beta > 0 every row runs.
+    Example: groups [1, 1, 1, 1] and [1, 0, 0, 1]: only the second group's 4 rows run."""
+    if not cfg.skip_zero_advantage or cfg.loss.kl_beta > 0:
+        return list(rows)
+    return [r for r in rows if b.advantages[r] != 0]
 
 
 def minibatches(n_rows: int, cfg: Config, first_group: int) -> list[list[int]]:
@@ -705,7 +743,9 @@ class StepSums:
     zero_var_groups: float
     adv: float
     adv_sq: float
-    entropy: float  # the policy's, over response tokens
+    entropy: float  # the policy's, over the response tokens the update computed
+    trained_seqs: float  # rows the update computed (Update.seqs)
+    trained_tokens: float  # their response tokens
     reward_errors: float  # samples whose --reward failed (Groups.reward_errors)
 
 
@@ -733,10 +773,14 @@ def step_metrics(
         float(a.sum()),
         float((a * a).sum()),
         upd.entropy,
+        upd.seqs,
+        upd.resp_tokens,
         groups.reward_errors,
     )
     r, m, mm = distributed.sum_over_ranks(here, upd.loss, upd.mismatch)
-    n_seq, n_tok, n_loss_tok = r.seqs, max(r.resp_tokens, 1.0), max(m.tokens, 1.0)
+    n_seq, n_loss_tok = r.seqs, max(m.tokens, 1.0)
+    # the entropy and the engine/trainer mismatch come from the update's forward: the rows it ran
+    n_tok = max(r.trained_tokens, 1.0)
     adv_mean = r.adv / n_seq
     return dict(
         step=step,
@@ -756,6 +800,9 @@ def step_metrics(
         truncated_frac=r.truncated / n_seq,
         is_oob_frac=m.is_oob / max(m.is_units, 1.0),
         zero_var_group_frac=r.zero_var_groups / r.groups,
+        # the step's rows the update computed: all of them, or those with A != 0 (trained_rows);
+        # entropy, the mismatch metrics and is_oob_frac cover these
+        trained_frac=r.trained_seqs / n_seq,
         adv_mean=adv_mean,
         skipped_updates=upd.skipped,
         adv_std=max(r.adv_sq / n_seq - adv_mean**2, 0.0) ** 0.5,

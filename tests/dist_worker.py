@@ -9,6 +9,11 @@ update OUT MICRO_TOKENS MINIBATCHES LR OPT [PG [LORA_RANK [MODEL]]]
                    in float64; rank 0 saves the weights. MODEL: a built-in base (default the tiny
                    one); `smollm2` gets a smaller batch and no KL term (no reference copy), which
                    keeps its float64 ranks within a few GiB
+skips  OUT CASES   each case of CASES, {name: [MICRO_TOKENS, MINIBATCHES, LR, OPT, PG, LORA_RANK,
+                   REWARDS, FLAGS]}, updated with --skip-zero-advantage and without, no KL term:
+                   OUT/NAME.skip.pt and OUT/NAME.full.pt, and OUT/NAME.{skip,full}.json with the
+                   rows the update computed over all ranks. REWARDS (skip_rewards) makes groups whose
+                   rewards are all equal; FLAGS: more train.Config values
 refit  OUT TP      shard, change the weights, refit each rank's vLLM engine (TP-sharded when
                    TP > 1), compare its logprobs with the trainer's; record the held-out
                    evaluation's samples of four copies of one prompt, split over the engines
@@ -59,6 +64,22 @@ def fixed_global_batch(tok, P=8, G=4, seed=0):
     return prompts, samples, rewards
 
 
+def skip_rewards(kind: str, P: int = 8, G: int = 4) -> torch.Tensor:
+    """[P, G] rewards for the skipping cases. rank1-uniform: the first half of the groups (rank 0's
+    at two ranks) mixed, the second half all 1 or all 0; uniform: every group all 1 or all 0 (a
+    step with nothing to learn); graded: rewards 0, 0.5 and 1, so that a sample of 0.5 in a group
+    whose mean is 0.5 has A = 0 inside a group that still trains."""
+    mixed = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 1.0]])
+    same = torch.tensor([[1.0] * G, [0.0] * G])
+    if kind == "rank1-uniform":
+        return torch.cat([mixed, mixed[:1], same, same])[:P]
+    if kind == "uniform":
+        return same.repeat(P // 2, 1)
+    if kind == "graded":
+        return torch.tensor([[0.0, 0.5, 1.0, 0.5], [1.0, 0.5, 0.0, 0.5]]).repeat(P // 2, 1)
+    raise ValueError(kind)
+
+
 def update(
     out: Path,
     micro_tokens: int,
@@ -68,12 +89,16 @@ def update(
     pg: str = "ppo",
     lora_rank: int = 0,
     base: str = bases.TINY,
-):
+    rewards_kind: str = "",
+    flags: dict | None = None,
+) -> train.Update:
     rank, world = distributed.rank(), distributed.world_size()
     path = model.resolve(base)
     tok = model.load_tokenizer(path)
     small = base == bases.SMOLLM2
     prompts, samples, rewards = fixed_global_batch(tok, *((4, 2) if small else ()))
+    if rewards_kind:
+        rewards = skip_rewards(rewards_kind)
     P, G = rewards.shape
     # GSPO is sequence-level
     cfg = config(
@@ -84,13 +109,12 @@ def update(
         micro_batch_tokens=micro_tokens,
         lr=lr,
         eps_high=0.28,
-        kl_beta=0.0 if small else 0.01,
+        kl_beta=0.0 if small or rewards_kind else 0.01,
         grad_clip=1.0
         if opt_name == "adamw"
         else 1e9,  # SGD unclipped: dw = -lr * the gradient itself
         pg=pg,
-        token_level=pg != "gspo",
-        lora_rank=lora_rank,
+        **{"token_level": pg != "gspo", "lora_rank": lora_rank, **(flags or {})},
     )
     # a prompt's G samples stay on one rank
     share = range(rank * P // world, (rank + 1) * P // world)
@@ -100,10 +124,14 @@ def update(
         for i in [s.prompt_idx]
         if i in share
     ]
-    adv = grpo.group_advantages(rewards[list(share)])
+    adv = grpo.group_advantages(rewards[list(share)], cfg.loss.leave_one_out)
     b = train.make_batch(
         [prompts[i] for i in share], my_samples, adv.flatten(), False, tok.pad_token_id
     )
+    if cfg.dynamic_sampling:  # as collect_groups keeps: the informative groups, else the first one
+        keep = [g for g in range(len(share)) if rewards[share.start + g].std() > 0] or [0]
+        b = b.select([g * G + j for g in keep for j in range(G)])
+        b = replace(b, rows=list(range(len(b.rows))))
     # float64 end to end
     b = replace(b, gen_logp=b.gen_logp.double(), advantages=b.advantages.double())
     torch.manual_seed(0)  # LoRA's A matrices: the same on every rank and at every world size
@@ -139,7 +167,7 @@ def update(
         opt = torch.optim.SGD(trainable, lr=cfg.run.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     b = train.old_logprobs(policy, ref, b, cfg, cpu)  # step 5
-    train.update_policy(policy, opt, sched, b, cfg, cpu, share.start)  # step 6
+    upd = train.update_policy(policy, opt, sched, b, cfg, cpu, share.start)  # step 6
     state = distributed.full_state_dict(policy.lm)
     if distributed.is_main():
         torch.save({k: v.clone() for k, v in state.items()}, out)
@@ -148,6 +176,7 @@ def update(
         merged = {n: t.cpu() for n, t in model.hf_weights(policy.lm, torch.float32)}
         if distributed.is_main():
             torch.save(merged, f"{out}.merged")
+    return upd
 
 
 def updates(out: Path, cases: dict[str, list]) -> None:
@@ -157,6 +186,25 @@ def updates(out: Path, cases: dict[str, list]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, (micro_tokens, minibatches, lr, opt, pg, lora_rank, base) in cases.items():
         update(out / f"{name}.pt", micro_tokens, minibatches, lr, opt, pg, lora_rank, base)
+    distributed.close()
+
+
+def skips(out: Path, cases: dict[str, list]) -> None:
+    """Each case updated with --skip-zero-advantage and without (skip_rewards, no KL term), with
+    the rows and the loss tokens each update computed, summed over ranks."""
+    distributed.init(120)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (micro_tokens, minibatches, lr, opt, pg, lora_rank, kind, flags) in cases.items():
+        for skip in (True, False):
+            f = dict(flags, skip_zero_advantage=skip)
+            upd = update(out / f"{name}.{'skip' if skip else 'full'}.pt", micro_tokens,
+                         minibatches, lr, opt, pg, lora_rank, bases.TINY, kind, f)  # fmt: skip
+            counts = torch.tensor([float(upd.seqs), float(upd.loss.tokens)], dtype=torch.float64)
+            seqs, tokens = distributed.all_reduce_sum(counts).tolist()
+            if distributed.is_main():
+                Path(out / f"{name}.{'skip' if skip else 'full'}.json").write_text(
+                    json.dumps(dict(seqs=seqs, loss_tokens=tokens, grad_norm=upd.grad_norm))
+                )
     distributed.close()
 
 
@@ -275,6 +323,7 @@ if __name__ == "__main__":
     job, out = sys.argv[1], Path(sys.argv[2])
     {
         "updates": lambda: updates(out, json.loads(sys.argv[3])),
+        "skips": lambda: skips(out, json.loads(sys.argv[3])),
         "refit": lambda: refit(out, int(sys.argv[3])),
         "die": lambda: die(out),
         "policy": lambda: policy(out),

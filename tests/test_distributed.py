@@ -300,3 +300,93 @@ def test_release_freed_memory_gives_back_a_large_heap_only():
 
 # ----------------------------------------------------------------------------------------------
 # A GRPO run under torchrun: over two "nodes", and killed then resumed
+
+
+# --skip-zero-advantage (train.trained_rows): each case updated with and without skipping, in
+# float64, at one and two ranks. name: (micro-batch tokens, minibatches, lr, optimizer, policy loss,
+# LoRA rank, rewards (dist_worker.skip_rewards), more flags). rank1-uniform puts every uniform group
+# on rank 1 at two ranks: a rank with nothing to train on, beside one with work.
+# fmt: off
+SKIPS = {
+    # unclipped SGD: a gradient off by any factor (a normalizer that lost the skipped rows) shows
+    "sgd-token-level": (10_000, 1, 1.0, "sgd", "ppo", 0, "rank1-uniform", {}),
+    "sgd-sequence-level": (12, 1, 1.0, "sgd", "ppo", 0, "rank1-uniform", {"token_level": False}),
+    # A = 0 inside groups that still train (rewards 0, 0.5, 1), over two minibatches
+    "leave-one-out": (12, 2, 1e-3, "adamw", "ppo", 0, "graded", {"leave_one_out": True}),
+    "gspo": (12, 2, 1e-3, "adamw", "gspo", 0, "rank1-uniform", {}),
+    "cispo": (12, 2, 1e-3, "adamw", "cispo", 0, "graded", {}),
+    "truncated-is": (12, 2, 1e-3, "adamw", "ppo", 0, "rank1-uniform", {"is_correction": "tis"}),
+    "lora": (12, 2, 1e-3, "adamw", "ppo", 2, "rank1-uniform", {}),
+    # as dynamic sampling leaves a rank whose groups were all uniform: one of them, fewer rows
+    "dynamic-sampling": (12, 2, 1e-3, "adamw", "ppo", 0, "rank1-uniform",
+                         {"dynamic_sampling": True}),
+    # nothing to learn anywhere: AdamW still steps (weight decay moves every weight)
+    "all-uniform": (12, 2, 1e-3, "adamw", "ppo", 0, "uniform", {"weight_decay": 0.1}),
+}
+# fmt: on
+
+
+@pytest.fixture(scope="module")
+def skips(tmp_path_factory, tiny_path) -> dict:
+    """Every case of SKIPS at world sizes 1 and 2: {n: folder}."""
+    out = tmp_path_factory.mktemp("skips")
+    for n in (1, 2):
+        r = torchrun(n, "skips", out / f"n{n}", json.dumps(SKIPS), timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+    return {n: out / f"n{n}" for n in (1, 2)}
+
+
+@pytest.mark.parametrize("case", list(SKIPS))
+def test_skipping_zero_advantage_rows_gives_the_same_update(skips, tiny_path, case):
+    import dist_worker
+
+    _, _, lr, _, _, _, kind, flags = SKIPS[case]
+    got = {
+        (n, how): torch.load(skips[n] / f"{case}.{how}.pt")
+        for n in (1, 2)
+        for how in ("skip", "full")
+    }
+    ran = {(n, how): json.loads((skips[n] / f"{case}.{how}.json").read_text()) for n, how in got}
+    # the rows each update computed: with skipping only those whose advantage is not 0, counted from
+    # the rewards here (float64, group mean and sample std), not from the code under test
+    r = dist_worker.skip_rewards(kind).double()
+    if flags.get("leave_one_out"):
+        others = (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1)
+        informative = int((r != others).sum())
+    else:
+        informative = int((r != r.mean(1, keepdim=True)).sum())
+    for n in (1, 2):
+        rows = informative if not flags.get("dynamic_sampling") else None
+        if rows is not None:
+            assert ran[n, "skip"]["seqs"] == rows, (n, ran[n, "skip"])
+            assert ran[n, "full"]["seqs"] == r.numel(), (n, ran[n, "full"])
+        # at one rank, dynamic sampling kept only informative groups: nothing to skip
+        assert ran[n, "skip"]["seqs"] < ran[n, "full"]["seqs"] or (
+            n == 1 and flags.get("dynamic_sampling")
+        )
+        # the skipped rows' loss tokens still count (normalizer, clip fractions)
+        assert ran[n, "skip"]["loss_tokens"] == ran[n, "full"]["loss_tokens"]
+    # the same weights with and without skipping, at each world size; and two ranks skipping
+    # against one computing everything (dynamic sampling's shares differ with the world size)
+    pairs = [((n, "skip"), (n, "full")) for n in (1, 2)]
+    if not flags.get("dynamic_sampling"):
+        pairs.append(((2, "skip"), (1, "full")))
+    for a, b in pairs:
+        assert got[a].keys() == got[b].keys()
+        for k, w in got[b].items():
+            assert (got[a][k] - w).abs().max().item() <= same_update_tolerance(lr), (a, b, k)
+    from transformers import AutoModelForCausalLM
+
+    # LoRA: the adapters from the worker's start; else the model files
+    init = (
+        torch.load(skips[1] / f"{case}.skip.pt.start")
+        if SKIPS[case][5]
+        else AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
+    )
+    w = got[1, "skip"]
+    moved = max((w[k] - init[k].double()).abs().max().item() for k in init if k in w)
+    if case == "all-uniform":  # weight decay alone: lr * wd * |w|, and no gradient
+        assert ran[1, "skip"]["grad_norm"] == 0.0
+        assert moved > 0
+    else:
+        assert moved > 1e-5  # the update really changed the weights

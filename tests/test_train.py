@@ -40,6 +40,7 @@ METRIC_KEYS = {
     "tokens_per_s",
     "truncated_frac",
     "zero_var_group_frac",
+    "trained_frac",
 }
 
 
@@ -55,6 +56,9 @@ def test_short_grpo_run_raises_heldout_reward(vllm_engine, tmp_path):
         assert METRIC_KEYS <= r.keys()
         # float32 engine and trainer agree after every refit
         assert r["token_mult_prob_error"] < 1.001
+        # rewards 0 or 1: a sample's advantage is 0 exactly when its group's rewards are all
+        # equal, and the update computed every other sample (--skip-zero-advantage, the default)
+        assert r["trained_frac"] == pytest.approx(1 - r["zero_var_group_frac"], abs=1e-9)
     assert rows[-1]["reward_mean"] > rows[1]["reward_mean"]
     # the final weights are a loadable HF checkpoint
     m = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
@@ -79,6 +83,29 @@ def test_hf_engine_runs_the_same_loop(tmp_path):
     assert len(rows) == 4 and all(0.0 <= r["reward_mean"] <= 1.0 for r in rows[1:])
     # two minibatches: old logprobs come from a pass of their own and must still match the engine
     assert all(r["token_mult_prob_error"] < 1.001 for r in rows[1:])
+
+
+def test_a_step_with_nothing_to_learn_computes_no_sample(tmp_path):
+    # a reward that is always 0: every group is uniform, every advantage 0, so the update runs no
+    # sample's forward or backward; AdamW still steps (weight decay) and the run goes on
+    (tmp_path / "zero.py").write_text("def reward(response, gold):\n    return 0.0\n")
+    cfg = config(
+        train.Config,
+        engine="hf",
+        steps=2,
+        eval_every=0,
+        prompts_per_step=8,
+        group_size=4,
+        minibatch_size=16,
+        reward=f"{tmp_path / 'zero.py'}:reward",
+        out_dir=str(tmp_path / "run"),
+        quiet=True,
+        save_final=False,
+    )
+    rows = train.train(cfg)["history"][1:]
+    assert [r["trained_frac"] for r in rows] == [0.0, 0.0]
+    assert all(r["zero_var_group_frac"] == 1.0 and r["grad_norm"] == 0.0 for r in rows)
+    assert all(r["skipped_updates"] == 0 for r in rows)  # both minibatches stepped
 
 
 def test_micro_batches_cover_every_row_once_within_budget():
