@@ -12,8 +12,8 @@ update OUT MICRO_TOKENS MINIBATCHES LR OPT [PG [LORA_RANK [MODEL]]]
 skips  OUT CASES   each case of CASES, {name: [MICRO_TOKENS, MINIBATCHES, LR, OPT, PG, LORA_RANK,
                    REWARDS, FLAGS]}, updated with --skip-zero-advantage and without, no KL term:
                    OUT/NAME.skip.pt and OUT/NAME.full.pt, and OUT/NAME.{skip,full}.json with the
-                   rows the update computed over all ranks. REWARDS (skip_rewards) makes groups whose
-                   rewards are all equal; FLAGS: more train.Config values
+                   rows the update computed over all ranks. REWARDS (skip_rewards) makes groups
+                   whose rewards are all equal; FLAGS: more train.Config values
 refit  OUT TP      shard, change the weights, refit each rank's vLLM engine (TP-sharded when
                    TP > 1), compare its logprobs with the trainer's; record the held-out
                    evaluation's samples of four copies of one prompt, split over the engines
