@@ -6,7 +6,9 @@ to TensorBoard or W&B when asked; both are optional installs); on resume it keep
 the checkpoint's step, so the file reads as one uninterrupted run. plot() draws the curves that
 matter (reward, held-out accuracy, response length, KL, clip fraction, step time) from any run
 folder: `python logs.py runs/<run>` writes runs/<run>/curves.png and prints the held-out evaluations
-as a table (heldout_table).
+as a table (heldout_table). compare() puts several runs' held-out curves side by side, against steps
+and against wall-clock minutes: `python logs.py --compare OUT.png RUN RUN ...` (the same seeded run
+with and without a change that should cost less time and nothing else).
 
 What it does not do: compute metrics (train.py and dpo.py do), decide when to log (runtime.Run
 does), or report the miniature recipe's stages (tools/recipe.py).
@@ -135,6 +137,27 @@ def plot(run: Path) -> Path:
     return save_png(fig, Path(run) / "curves.png")
 
 
+def compare(runs: list[Path], out: Path) -> Path:
+    """Draw `out`: each run's held-out pass@1 against its step and against the minutes since it
+    started (`elapsed`), labelled with its folder's name."""
+    fig = Figure(figsize=(11, 4))
+    by_step, by_time = fig.subplots(1, 2)
+    for run in runs:
+        rows = [r for r in read_rows(Path(run) / "metrics.jsonl") if "heldout_pass1" in r]
+        label = Path(run).name
+        by_step.plot(
+            [r["step"] for r in rows], [r["heldout_pass1"] for r in rows], "o-", label=label
+        )
+        minutes = [r.get("elapsed", 0.0) / 60 for r in rows]
+        by_time.plot(minutes, [r["heldout_pass1"] for r in rows], "o-", label=label)
+    for ax, x in ((by_step, "step"), (by_time, "minutes (elapsed)")):
+        ax.set_xlabel(x)
+        ax.set_ylabel("held-out pass@1")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return save_png(fig, Path(out))
+
+
 def save_png(fig: Figure, out: Path) -> Path:
     """Writes the figure to `out` aside and renames it into place: a PNG is whole or absent."""
     fig.tight_layout()
@@ -163,7 +186,19 @@ def heldout_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    check([(len(argv) == 1, "usage: python logs.py RUN_FOLDER")])
+    if argv[:1] == ["--compare"]:
+        check([(len(argv) >= 3, "usage: python logs.py --compare OUT.png RUN_FOLDER ...")])
+        out, runs = Path(argv[1]), [Path(a) for a in argv[2:]]
+        check(
+            [
+                (bool(read_rows(r / "metrics.jsonl")), f"{r}: no metrics.jsonl with a readable row")
+                for r in runs
+            ]  # fmt: skip
+            + [(writable(out.parent), f"{out}: cannot be written")]
+        )
+        print(compare(runs, out))
+        return
+    check([(len(argv) == 1, "usage: python logs.py RUN_FOLDER (or --compare OUT.png RUN ...)")])
     run = Path(argv[0])
     check(
         [

@@ -108,6 +108,21 @@ def test_a_step_with_nothing_to_learn_computes_no_sample(tmp_path):
     assert all(r["skipped_updates"] == 0 for r in rows)  # both minibatches stepped
 
 
+def test_logs_compare_draws_runs_against_steps_and_minutes(tmp_path):
+    import logs
+
+    runs = []
+    for name, minutes in (("skip", 1.0), ("full", 2.0)):
+        (tmp_path / name).mkdir()
+        rows = [dict(step=s, heldout_pass1=0.1 * s, elapsed=60 * minutes * s) for s in (0, 4, 8)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(str(tmp_path / name))
+    logs.main(["--compare", str(tmp_path / "c.png"), *runs])
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(UserError, match="nope: no metrics.jsonl"):
+        logs.main(["--compare", str(tmp_path / "c.png"), str(tmp_path / "nope")])
+
+
 def test_micro_batches_cover_every_row_once_within_budget():
     rng = random.Random(0)
     lengths = [rng.randint(1, 300) for _ in range(200)]
