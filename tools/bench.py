@@ -146,6 +146,10 @@ class BenchConfig:
     # longest sequence) and TRL's (per_device_train_batch_size, gradient accumulation over the
     # step's samples) alike
     micro_batch: int = 32
+    # train.py's --skip-zero-advantage: off by default, so that our update does TRL's work (which
+    # computes every sample); on, samples whose advantage is 0 cost no pass (the tiny and 25M models
+    # score 0 everywhere: their update would then cost almost nothing)
+    skip_zero_advantage: bool = False
     # hf, vllm: train.py in float32 (its CPU default); hf-bf16: train.py with --dtype bfloat16 (bf16
     # engine weights, bf16 autocast in training). trl: TRL's GRPOTrainer in float32 with gradient
     # checkpointing off, like train.py (the same compute: hf's match); trl-bf16: the same in bf16
@@ -253,6 +257,7 @@ def run_ours(
             plot=False,
             quiet=True,
             out_dir=tmp,
+            skip_zero_advantage=cfg.skip_zero_advantage,
             **extra,
         )
         # [0]: the step-0 record
@@ -939,6 +944,8 @@ def shape_main(cfg: ShapeConfig) -> None:
         "--micro-batch-tokens",
         str(seq),
         "--activation-checkpointing",
+        # a random model's rewards are all 0: every sample is measured as if it trained
+        "--no-skip-zero-advantage",
         "--eval-every",
         "0",
         "--threads",
@@ -1471,7 +1478,8 @@ def shape_table(res: dict, cfg: ShapeConfig) -> str:
         "whose "
         "process peak counts the trainer, the engine (float32 weights, KV cache) and the "
         "libraries. A random "
-        "model's reward is 0: every advantage is 0, and the update does all its work all the same.",
+        "model's reward is 0: every advantage is 0, and the update does all its work all the same "
+        "(--no-skip-zero-advantage).",
     ]
     return "\n".join(lines)
 
