@@ -8,8 +8,9 @@ What it does:
   folder), and in one small file per rank what must come back exactly: the LR schedule, the data
   order and position, the torch RNG. It is written to a temporary folder and renamed into place only
   when complete, and only the newest --keep-checkpoints stay (write). resume picks the newest
-  checkpoint that can be read and says, in one line, why it skipped any newer one (problem: cut
-  short by a full disk, a partial copy; or a shard that holds more than tensors).
+  checkpoint that can be read, at any world size (load), and says, in one line, why it skipped any
+  newer one (problem: cut short by a full disk, a partial copy; or a shard that holds more than
+  tensors).
 - save_hf / export_hf: HF folders that transformers and vLLM load, from a live run (<out_dir>/final)
   or from any saved step (`python train.py export CKPT OUT`, `python dpo.py export CKPT OUT`); a
   LoRA run's holds the merged weights, and the adapters alone in peft's format in its adapter/
@@ -72,6 +73,10 @@ def resume(folder: Path, policy, opt, sched, stream) -> tuple[Path, int] | None:
     A damaged checkpoint (a meta.json cut short by a full disk, a missing or unreadable shard) is
     skipped with one line saying which and why, and the one before it is used; when none can be read
     the run starts as its flags say, and says so (its metrics.jsonl starts over).
+
+    A checkpoint written at another world size is read as well: the shards re-shard (DCP), the
+    rank files of ranks the saved run did not have come from rank 0's (the schedule and the data
+    order are the same on every rank: load), and one line says what that changes (world_changed).
     """
     skipped = []
     for ckpt in saved(folder)[::-1]:
@@ -90,14 +95,44 @@ def resume(folder: Path, policy, opt, sched, stream) -> tuple[Path, int] | None:
         sched.load_state_dict(rank_state["sched"])
         stream.rng.setstate(rank_state["stream_rng"])
         stream.buf = rank_state["stream_buf"]
-        torch.set_rng_state(rank_state["torch_rng"])
-        return ckpt, meta["step"]
+        step, world = meta["step"], meta.get("world", 1)
+        if "torch_rng" in rank_state:
+            torch.set_rng_state(rank_state["torch_rng"])
+        else:  # a rank the saved run did not have
+            torch.manual_seed(fresh_seed(step, distributed.rank()))
+        if world != distributed.world_size():
+            distributed.print0(world_changed(ckpt, world, distributed.world_size()))
+        return ckpt, step
     if skipped:
         distributed.print0(
             f"no readable checkpoint in {folder}: starting from step 0 as the flags say (metrics "
             "start over)"
         )
     return None
+
+
+def fresh_seed(step: int, rank: int) -> int:
+    """The torch seed of a rank that a resumed checkpoint has no RNG state for (it was written by
+    fewer ranks): the same for the same step and rank, another for each rank."""
+    return 1000 * step + rank
+
+
+def world_changed(ckpt: Path, saved_world: int, world: int) -> str:
+    """The one line a run resumed at another world size prints: what continues, and what does not
+    (so it is not bit for bit the run at the saved world size)."""
+    lo, hi = sorted((saved_world, world))
+    ranks = f"rank {lo}" if hi - lo == 1 else f"ranks {lo}-{hi - 1}"
+    if world > saved_world:
+        rng = f"{ranks} had no torch RNG saved (seeded: checkpoint.fresh_seed, 1000 x step + rank)"
+    else:
+        rng = f"the torch RNG saved by {ranks} is not used"
+    return (
+        f"world size changed from {saved_world} to {world} since {ckpt.name}: the weights, "
+        "optimizer state, LR schedule and prompt order continue; what changes is each rank's share "
+        "of the prompts (the HF engine's samples change with it; vLLM's, seeded per prompt, do "
+        f"not), the order of float sums over ranks, and {rng}: not bit for bit a "
+        f"{saved_world}-rank run"
+    )
 
 
 def saved(folder: Path) -> list[Path]:
@@ -108,7 +143,8 @@ def saved(folder: Path) -> list[Path]:
 
 def problem(path: Path) -> str | None:
     """Why the checkpoint folder cannot be resumed from (a few words), or None when all its files
-    are there and its meta.json reads."""
+    are there and its meta.json reads. The rank files checked are those of the world size that
+    wrote it (meta.json's "world"), whatever the world size reading it (load)."""
     try:
         meta = json.loads((Path(path) / "meta.json").read_text())
     except FileNotFoundError:
@@ -176,7 +212,12 @@ def _single_process_is_meant():
 
 def load(path: Path, policy, opt) -> tuple[dict, dict]:
     """Loads the shards into `policy` (and `opt`, unless None) in place; returns (meta, this rank's
-    state)."""
+    state).
+
+    At any world size: torch.distributed.checkpoint re-shards the model and AdamW state (a
+    one-process save of plain tensors into FSDP2's shards and back; tests/test_distributed_runs.py
+    checks every tensor). A rank the saved run did not have reads rank 0's file, whose schedule and
+    data order are every rank's, without its torch RNG (resume seeds that rank afresh)."""
     if opt is None:
         state = {"model": get_model_state_dict(policy, options=SAVED)}
         with _single_process_is_meant():
@@ -198,15 +239,20 @@ def load(path: Path, policy, opt) -> tuple[dict, dict]:
             policy,
         )
     meta = json.loads((Path(path) / "meta.json").read_text())
+    own = distributed.rank() < meta.get("world", 1)
+    name = f"rank{distributed.rank() if own else 0}.pt"
     # weights_only: tensors and plain Python types only; a pickle that would run code (a checkpoint
     # from someone else) is refused, and resume() names the checkpoint and skips it
     try:
-        return meta, torch.load(Path(path) / f"rank{distributed.rank()}.pt", weights_only=True)
+        state = torch.load(Path(path) / name, weights_only=True)
     except pickle.UnpicklingError as e:
         raise pickle.UnpicklingError(
-            f"rank{distributed.rank()}.pt holds more than tensors and plain Python values, "
-            "refused: loading it could run code"
+            f"{name} holds more than tensors and plain Python values, refused: loading it could "
+            "run code"
         ) from e
+    if not own:
+        state.pop("torch_rng", None)  # rank 0's stream of random numbers is rank 0's
+    return meta, state
 
 
 def loaded(keys, policy) -> None:
