@@ -7,9 +7,12 @@ What it does:
   rank writes its own; with LoRA only the adapters: the frozen base comes back from the model
   folder), and in one small file per rank what must come back exactly: the LR schedule, the data
   order and position, the torch RNG. It is written to a temporary folder and renamed into place only
-  when complete, and only the newest --keep-checkpoints stay (write). resume picks the newest
-  checkpoint that can be read and says, in one line, why it skipped any newer one (problem: cut
-  short by a full disk, a partial copy; or a shard that holds more than tensors).
+  when complete, and only the newest --keep-checkpoints stay (write); a save removes nothing else
+  but the checkpoints of an earlier run that --no-resume replaces. resume picks the newest
+  checkpoint that can be read, at any world size (load), and says, in one line each, why it skipped
+  any newer one (problem: cut short by a full disk, a partial copy; or a shard that holds more than
+  tensors) and where it moved it (set_aside); when none can be read it stops the run and touches
+  nothing.
 - save_hf / export_hf: HF folders that transformers and vLLM load, from a live run (<out_dir>/final)
   or from any saved step (`python train.py export CKPT OUT`, `python dpo.py export CKPT OUT`); a
   LoRA run's holds the merged weights, and the adapters alone in peft's format in its adapter/
@@ -52,28 +55,38 @@ SAVED = StateDictOptions(ignore_frozen_params=True)
 LOADED = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
-def save_step(out: Path, step: int, policy, opt, sched, stream, meta: dict, keep: int) -> Path:
+def save_step(
+    out: Path, step: int, policy, opt, sched, stream, meta: dict, keep: int, replaced=()
+) -> Path:
     """<out>/checkpoints/step_NNNNNN: all a resumed run needs: model and optimizer shards, and on
     every rank the LR schedule, the data order and position (data.PromptStream), and the torch RNG
-    (write)."""
+    (write; `replaced`: an earlier run's checkpoints, removed once this one is in place)."""
     rank_state = dict(
         sched=sched.state_dict(),
         stream_rng=stream.rng.getstate(),
         stream_buf=stream.buf,
         torch_rng=torch.get_rng_state(),
     )
-    return write(out / "checkpoints", step, policy, opt, meta, rank_state, keep=keep)
+    return write(
+        out / "checkpoints", step, policy, opt, meta, rank_state, keep=keep, replaced=replaced
+    )
 
 
 def resume(folder: Path, policy, opt, sched, stream) -> tuple[Path, int] | None:
-    """Restore the newest checkpoint in `folder` that can be read; (its path, its step), or None to
-    start fresh.
+    """Restore the newest checkpoint in `folder` that can be read; (its path, its step), or None
+    when there is none.
 
     A damaged checkpoint (a meta.json cut short by a full disk, a missing or unreadable shard) is
-    skipped with one line saying which and why, and the one before it is used; when none can be read
-    the run starts as its flags say, and says so (its metrics.jsonl starts over).
+    skipped, and once an older one is read it is moved aside (set_aside: step_NNNNNN.damaged, kept
+    for inspection, listed by no later resume or save), each with one line saying which, why and
+    where it went. When checkpoints exist and none can be read, nothing is touched and the run stops
+    (UserError) naming them and the way out (--no-resume starts over and replaces them).
+
+    A checkpoint written at another world size is read as well: the shards re-shard (DCP), the
+    rank files of ranks the saved run did not have come from rank 0's (the schedule and the data
+    order are the same on every rank: load), and one line says what that changes (world_changed).
     """
-    skipped = []
+    damaged = []  # (checkpoint, why), newest first
     for ckpt in saved(folder)[::-1]:
         why = problem(ckpt)
         if why is None:
@@ -84,31 +97,87 @@ def resume(folder: Path, policy, opt, sched, stream) -> tuple[Path, int] | None:
                 why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         why = distributed.any_rank(why)
         if why is not None:
-            distributed.print0(f"checkpoint {ckpt} is damaged ({why}): skipped")
-            skipped.append(ckpt)
+            damaged.append((ckpt, why))
             continue
+        for bad, why in damaged:
+            aside = set_aside(bad)
+            distributed.print0(
+                f"checkpoint {bad} is damaged ({why}): skipped, and moved aside to {aside.name}, "
+                "which no resume or save lists"
+            )
         sched.load_state_dict(rank_state["sched"])
         stream.rng.setstate(rank_state["stream_rng"])
         stream.buf = rank_state["stream_buf"]
-        torch.set_rng_state(rank_state["torch_rng"])
-        return ckpt, meta["step"]
-    if skipped:
-        distributed.print0(
-            f"no readable checkpoint in {folder}: starting from step 0 as the flags say (metrics "
-            "start over)"
+        step, world = meta["step"], meta.get("world", 1)
+        if "torch_rng" in rank_state:
+            torch.set_rng_state(rank_state["torch_rng"])
+        else:  # a rank the saved run did not have
+            torch.manual_seed(fresh_seed(step, distributed.rank()))
+        if world != distributed.world_size():
+            distributed.print0(world_changed(ckpt, world, distributed.world_size()))
+        return ckpt, step
+    if damaged:
+        for bad, why in damaged:
+            distributed.print0(f"checkpoint {bad} is damaged ({why})")
+        names = ", ".join(bad.name for bad, _ in damaged)
+        raise UserError(
+            f"no readable checkpoint in {folder} ({names}, each named above with its damage), "
+            "all left as they are: repair or move them, or pass --no-resume to start over (its "
+            "first checkpoint replaces them)"
         )
     return None
 
 
+def fresh_seed(step: int, rank: int) -> int:
+    """The torch seed of a rank that a resumed checkpoint has no RNG state for (it was written by
+    fewer ranks): the same for the same step and rank, another for each rank."""
+    return 1000 * step + rank
+
+
+def world_changed(ckpt: Path, saved_world: int, world: int) -> str:
+    """The one line a run resumed at another world size prints: what continues, and what does not
+    (so it is not bit for bit the run at the saved world size)."""
+    lo, hi = sorted((saved_world, world))
+    ranks = f"rank {lo}" if hi - lo == 1 else f"ranks {lo}-{hi - 1}"
+    if world > saved_world:
+        rng = f"{ranks} had no torch RNG saved (seeded: checkpoint.fresh_seed, 1000 x step + rank)"
+    else:
+        rng = f"the torch RNG saved by {ranks} is not used"
+    return (
+        f"world size changed from {saved_world} to {world} since {ckpt.name}: the weights, "
+        "optimizer state, LR schedule and prompt order continue; what changes is each rank's share "
+        "of the prompts (the HF engine's samples change with it; vLLM's, seeded per prompt, do "
+        f"not), the order of float sums over ranks, and {rng}: not bit for bit a "
+        f"{saved_world}-rank run"
+    )
+
+
+def set_aside(ckpt: Path) -> Path:
+    """Rename a damaged checkpoint to step_NNNNNN.damaged (.damaged-2, ... when taken), which
+    saved() never lists: no later resume picks it up, no later save removes it. Rank 0 renames;
+    every rank returns the same name."""
+    aside, n = ckpt.with_name(ckpt.name + ".damaged"), 1
+    while aside.exists():
+        n += 1
+        aside = ckpt.with_name(f"{ckpt.name}.damaged-{n}")
+    distributed.barrier()  # every rank has chosen the name before rank 0 takes it
+    if distributed.is_main():
+        os.replace(ckpt, aside)
+    distributed.barrier()
+    return aside
+
+
 def saved(folder: Path) -> list[Path]:
     """The checkpoint folders (step_NNNNNN) in `folder`, oldest first. A save killed before its
-    rename left only a .tmp-step_NNNNNN folder, which is never listed."""
-    return sorted(p for p in Path(folder).glob("step_*") if p.is_dir())
+    rename left only a .tmp-step_NNNNNN folder, and a damaged one set aside is step_NNNNNN.damaged:
+    neither is listed."""
+    return sorted(p for p in Path(folder).glob("step_*") if p.name[5:].isdigit() and p.is_dir())
 
 
 def problem(path: Path) -> str | None:
     """Why the checkpoint folder cannot be resumed from (a few words), or None when all its files
-    are there and its meta.json reads."""
+    are there and its meta.json reads. The rank files checked are those of the world size that
+    wrote it (meta.json's "world"), whatever the world size reading it (load)."""
     try:
         meta = json.loads((Path(path) / "meta.json").read_text())
     except FileNotFoundError:
@@ -125,12 +194,22 @@ def problem(path: Path) -> str | None:
     return f"no rank{missing[0]}.pt" if missing else None
 
 
-def write(folder: Path, step: int, policy, opt, meta: dict, rank_state: dict, keep: int) -> Path:
+def write(
+    folder: Path,
+    step: int,
+    policy,
+    opt,
+    meta: dict,
+    rank_state: dict,
+    keep: int,
+    replaced: list[Path] = (),
+) -> Path:
     """folder/step_NNNNNN: sharded model and optimizer, `meta` (rank 0's JSON), `rank_state` (per
     rank, torch.save).
 
-    Written as folder/.tmp-step_NNNNNN and renamed when every rank has finished; then only the
-    newest `keep` stay.
+    Written as folder/.tmp-step_NNNNNN and renamed when every rank has finished; then the
+    checkpoints in `replaced` (an earlier run's, which this one replaces: --no-resume) are removed,
+    and of the rest only the newest `keep` stay. Nothing else is removed.
     """
     final, tmp = Path(folder) / f"step_{step:06d}", Path(folder) / f".tmp-step_{step:06d}"
     if distributed.is_main():
@@ -152,13 +231,10 @@ def write(folder: Path, step: int, policy, opt, meta: dict, rank_state: dict, ke
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        # the newest `keep` up to this step stay; any later one is from a timeline this run replaced
-        # (it started over: --no-resume, or every checkpoint was damaged) and would be picked up by
-        # the next resume
-        done = saved(folder)
-        for old in [c for c in done if c.name > final.name] + [
-            c for c in done if c.name <= final.name
-        ][:-keep]:
+        for old in replaced:
+            if Path(old) != final:
+                shutil.rmtree(old, ignore_errors=True)
+        for old in saved(folder)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     distributed.barrier()
     return final
@@ -176,7 +252,12 @@ def _single_process_is_meant():
 
 def load(path: Path, policy, opt) -> tuple[dict, dict]:
     """Loads the shards into `policy` (and `opt`, unless None) in place; returns (meta, this rank's
-    state)."""
+    state).
+
+    At any world size: torch.distributed.checkpoint re-shards the model and AdamW state (a
+    one-process save of plain tensors into FSDP2's shards and back; tests/test_distributed_runs.py
+    checks every tensor). A rank the saved run did not have reads rank 0's file, whose schedule and
+    data order are every rank's, without its torch RNG (resume seeds that rank afresh)."""
     if opt is None:
         state = {"model": get_model_state_dict(policy, options=SAVED)}
         with _single_process_is_meant():
@@ -198,15 +279,20 @@ def load(path: Path, policy, opt) -> tuple[dict, dict]:
             policy,
         )
     meta = json.loads((Path(path) / "meta.json").read_text())
+    own = distributed.rank() < meta.get("world", 1)
+    name = f"rank{distributed.rank() if own else 0}.pt"
     # weights_only: tensors and plain Python types only; a pickle that would run code (a checkpoint
     # from someone else) is refused, and resume() names the checkpoint and skips it
     try:
-        return meta, torch.load(Path(path) / f"rank{distributed.rank()}.pt", weights_only=True)
+        state = torch.load(Path(path) / name, weights_only=True)
     except pickle.UnpicklingError as e:
         raise pickle.UnpicklingError(
-            f"rank{distributed.rank()}.pt holds more than tensors and plain Python values, "
-            "refused: loading it could run code"
+            f"{name} holds more than tensors and plain Python values, refused: loading it could "
+            "run code"
         ) from e
+    if not own:
+        state.pop("torch_rng", None)  # rank 0's stream of random numbers is rank 0's
+    return meta, state
 
 
 def loaded(keys, policy) -> None:

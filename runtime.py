@@ -315,17 +315,30 @@ class Run:
                 self.out, self.run.tensorboard, self.run.wandb_project, asdict(cfg)
             )
         self.history, self.last_eval = [], {}
+        self.replaced = []  # an earlier run's checkpoints, which --no-resume replaces (resume)
         self.ctrl_c, self.stopped, self.bad_steps = CtrlC(install=sigint), False, 0
         self.bar = None
         self.t_start = self.t_step = time.time()
 
     def resume(self, policy, opt, sched, stream) -> int:
         """The step to continue after. With --resume (default) and a readable checkpoint in
-        <out>/checkpoints, the weights, optimizer, schedule and data order continue from it and
-        metrics.jsonl is cut back to its step; otherwise 0, and metrics.jsonl starts empty."""
+        <out>/checkpoints, the weights, optimizer, schedule and data order continue from it (at any
+        world size) and metrics.jsonl is cut back to its step; with checkpoints but none readable,
+        UserError (checkpoint.resume); otherwise 0, and metrics.jsonl starts empty. With
+        --no-resume an earlier run's checkpoints are replaced at this run's first save, and a line
+        says which."""
         resumed = None
+        folder = self.out / "checkpoints"
         if self.run.resume:
-            resumed = checkpoint.resume(self.out / "checkpoints", policy, opt, sched, stream)
+            resumed = checkpoint.resume(folder, policy, opt, sched, stream)
+        else:
+            self.replaced = checkpoint.saved(folder)
+            if self.replaced:
+                distributed.print0(
+                    f"--no-resume: starting over; this run's first checkpoint replaces the "
+                    f"{len(self.replaced)} in {folder} "
+                    f"({', '.join(c.name for c in self.replaced)})"
+                )
         if resumed is None:
             if self.log_file:
                 self.log_file.start(keep_until=None)
@@ -396,7 +409,8 @@ class Run:
         return bool(every) and (step % every == 0 or step == self.run.steps)
 
     def save(self, step: int, policy, opt, sched, stream) -> None:
-        """A checkpoint of this step (checkpoint.py), keeping the newest --keep-checkpoints."""
+        """A checkpoint of this step (checkpoint.py), keeping the newest --keep-checkpoints; the
+        first one removes the earlier run's that --no-resume replaces."""
         saved = checkpoint.save_step(
             self.out,
             step,
@@ -406,7 +420,9 @@ class Run:
             stream,
             {"config": asdict(self.cfg)},
             self.run.keep_checkpoints,
+            replaced=self.replaced,
         )
+        self.replaced = []
         if self.stopped:
             distributed.print0(
                 f"interrupted after step {step}: checkpoint {saved}; the same command resumes from "

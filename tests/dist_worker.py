@@ -21,6 +21,12 @@ policy OUT         the process set-up and precision policy at --dtype bfloat16: 
                    the parameters after a no-grad forward, an HF export's dtypes
 die    OUT         rank 1 dies after a barrier; rank 0 waits in a collective
 hang   OUT         rank 1 hangs (sleeps) after a barrier; rank 0's collective must time out
+saved  OUT         (any world size, also one process without torchrun) two AdamW steps, then a
+                   checkpoint in OUT/checkpoints (checkpoint.write) and, from rank 0, the full
+                   weights and AdamW state (step, exp_avg, exp_avg_sq) in OUT/saved.pt
+loaded OUT         (any world size) a fresh policy and AdamW loaded from OUT's checkpoint
+                   (checkpoint.load); rank 0 writes OUT/loaded.json: each full tensor equal to
+                   saved.pt's or not
 """
 
 import json
@@ -319,6 +325,61 @@ def hang(out: Path):
     torch.distributed.all_reduce(torch.ones(1))
 
 
+def full_training_state(policy, opt) -> dict[str, torch.Tensor]:
+    """Every weight and AdamW state tensor as a full tensor, by parameter name (a collective under
+    FSDP): "NAME", "NAME:step", "NAME:exp_avg", "NAME:exp_avg_sq"."""
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    out = {}
+    for name, p in policy.named_parameters():
+        out[name] = full(p.detach()).clone()
+        for key, t in opt.state[p].items():
+            out[f"{name}:{key}"] = full(t).clone()
+    return out
+
+
+def fresh_policy_and_adamw():
+    distributed.init(120)
+    torch.manual_seed(0)
+    path = model.resolve(bases.TINY)
+    policy = model.load_trainable(path, torch.device("cpu"), checkpointing=False)
+    return policy, torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.01), path
+
+
+def saved(out: Path):
+    """Two AdamW steps on one fixed batch (every rank the same), so that exp_avg and exp_avg_sq are
+    neither zero nor each other, then a checkpoint written at this world size."""
+    policy, opt, path = fresh_policy_and_adamw()
+    tok = model.load_tokenizer(path)
+    ids = torch.tensor([tok("1+2+3=6")["input_ids"], tok("4+5+6=9")["input_ids"]])
+    for _ in range(2):
+        lp, _ = model.token_logprobs(policy, ids, torch.ones_like(ids), torch.tensor([6, 6]), 2)
+        (-lp.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    checkpoint.write(out / "checkpoints", 2, policy, opt, {}, {}, keep=2)
+    state = full_training_state(policy, opt)
+    if distributed.is_main():
+        torch.save(state, out / "saved.pt")
+    distributed.close()
+
+
+def loaded(out: Path):
+    policy, opt, _ = fresh_policy_and_adamw()
+    checkpoint.load(out / "checkpoints" / "step_000002", policy, opt)
+    state = full_training_state(policy, opt)
+    if distributed.is_main():
+        want = torch.load(out / "saved.pt")
+        result = {
+            "world": distributed.world_size(),
+            "missing": sorted(set(want) - set(state)),
+            "extra": sorted(set(state) - set(want)),
+            "differ": sorted(k for k in want if k in state and not torch.equal(want[k], state[k])),
+            "n": len(want),
+        }
+        (out / "loaded.json").write_text(json.dumps(result))
+    distributed.close()
+
+
 if __name__ == "__main__":
     job, out = sys.argv[1], Path(sys.argv[2])
     {
@@ -328,4 +389,6 @@ if __name__ == "__main__":
         "die": lambda: die(out),
         "policy": lambda: policy(out),
         "hang": lambda: hang(out),
+        "saved": lambda: saved(out),
+        "loaded": lambda: loaded(out),
     }[job]()

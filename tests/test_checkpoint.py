@@ -107,7 +107,9 @@ def test_partial_and_damaged_checkpoints_are_told_apart(uninterrupted, tmp_path)
 
 
 @pytest.mark.cpu_numerics
-def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes(uninterrupted, tmp_path):
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_resumes(
+    uninterrupted, tmp_path
+):
     import shutil
 
     out = tmp_path / "run"
@@ -119,8 +121,8 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes(uninter
     log = p.communicate(timeout=300)[0]
     assert p.returncode == 0, log[-3000:]
     assert (
-        f"checkpoint {meta.parent} is damaged (meta.json is not valid JSON: cut short?): skipped"
-        in log
+        f"checkpoint {meta.parent} is damaged (meta.json is not valid JSON: cut short?): skipped, "
+        "and moved aside to step_000006.damaged, which no resume or save lists" in log
     )
     assert "resumed from" in log and "step_000004 at step 4" in log and "Traceback" not in log
     assert rows_without_timing(out) == rows_without_timing(uninterrupted)
@@ -129,14 +131,54 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes(uninter
         load_file(uninterrupted / "final" / "model.safetensors"),
     )
     assert all(torch.equal(a[k], b[k]) for k in b)
-    # with every checkpoint unreadable the run says so and starts over as its flags say
-    for c in (out / "checkpoints").iterdir():
+    # the damaged one is still there, as it was, beside this run's own step 6, which the next
+    # resume picks
+    folder = out / "checkpoints"
+    assert sorted(c.name for c in folder.iterdir()) == [
+        "step_000004",
+        "step_000006",
+        "step_000006.damaged",
+    ]
+    assert (folder / "step_000006.damaged" / "meta.json").read_text() == meta.read_text()[:15]
+    assert checkpoint.saved(folder) == [folder / "step_000004", folder / "step_000006"]
+
+
+def test_with_no_readable_checkpoint_the_run_stops_and_touches_nothing(uninterrupted, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    shutil.rmtree(out / "final")
+    folder = out / "checkpoints"
+    for c in folder.iterdir():
         (c / ".metadata").unlink()
-    p = run(out, "--steps", "1", "--eval-every", "0")
+    # every file but config.json, which each run writes as it starts
+    files = lambda: {  # noqa: E731
+        f: f.read_bytes() for f in out.rglob("*") if f.is_file() and f.name != "config.json"
+    }
+    before = files()
+    p = run(out)
+    log = p.communicate(timeout=300)[0]
+    assert p.returncode == 2, log[-3000:]
+    errors = [ln for ln in log.splitlines() if ln.startswith("error:")]
+    assert errors == [
+        f"error: no readable checkpoint in {folder} (step_000006, step_000004, each named above "
+        "with its damage), all left as they are: repair or move them, or pass --no-resume to start "
+        "over (its first checkpoint replaces them)"
+    ]
+    assert f"checkpoint {folder / 'step_000004'} is damaged (no .metadata" in log
+    assert "Traceback" not in log and not (out / "final").exists()
+    assert files() == before  # the checkpoints and metrics.jsonl as they were
+    # --no-resume starts over and says which checkpoints its first save replaces
+    p = run(out, "--no-resume", "--steps", "1", "--checkpoint-every", "1", "--eval-every", "0")
     log = p.communicate(timeout=300)[0]
     assert p.returncode == 0, log[-3000:]
-    assert "no readable checkpoint" in log and "starting from step 0" in log
+    assert (
+        f"--no-resume: starting over; this run's first checkpoint replaces the 2 in {folder} "
+        "(step_000004, step_000006)" in log
+    )
     assert [r["step"] for r in rows_without_timing(out)] == [0, 1]
+    assert sorted(c.name for c in folder.iterdir()) == ["step_000001"]
 
 
 def test_export_of_a_saved_step_loads_in_transformers_and_vllm(

@@ -1,6 +1,8 @@
 """torchrun on CPU with gloo, whole runs and vLLM engines: a refit from the shards into an engine
 per rank (or one tensor-parallel engine), a GRPO run with a tensor-parallel engine, two nodes of one
-process against one node of two, a rank killed mid-run and resumed, eval_aime.py under torchrun.
+process against one node of two, a rank killed mid-run and resumed, checkpoints read at another
+world size (the shards and AdamW's state re-sharded, a run resumed from 1 process on 2 ranks and
+back), eval_aime.py under torchrun.
 (test_distributed.py: the update itself at two world sizes, and a dead or hung rank.)"""
 
 import json
@@ -171,6 +173,106 @@ def test_a_rank_killed_mid_run_then_the_same_command_resumes_to_the_same_end(
     log = finished(launch(tmp_path, port + 1))  # the same command
     assert "resumed from" in log
     assert same(outcome(tmp_path), one_node_of_two)
+
+
+def test_checkpoints_reshard_weights_and_adamw_state_between_one_process_and_two_ranks(tmp_path):
+    # one process without torchrun saves plain tensors (no_dist); two ranks load them into FSDP2's
+    # DTensor shards, and the other way round: every weight and AdamW tensor (step, exp_avg,
+    # exp_avg_sq) comes back equal
+    for save, load in ((one_process, two_ranks), (two_ranks, one_process)):
+        out = tmp_path / f"{save.__name__}-to-{load.__name__}"
+        out.mkdir()
+        for job, launch in (("saved", save), ("loaded", load)):
+            r = launch(job, out)
+            assert r.returncode == 0, r.stderr[-3000:]
+        got = json.loads((out / "loaded.json").read_text())
+        # the tiny model's 26 weights, each with its 3 AdamW tensors
+        assert got["n"] == 26 * 4 and got["world"] == (2 if load is two_ranks else 1)
+        assert got["missing"] == got["extra"] == got["differ"] == [], got
+
+
+def one_process(job: str, out: Path) -> subprocess.CompletedProcess:
+    """tests/dist_worker.py's JOB OUT in one process, without torchrun (no process group)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **CPU_ONLY)
+    cmd = [sys.executable, str(HERE / "dist_worker.py"), job, str(out)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def two_ranks(job: str, out: Path) -> subprocess.CompletedProcess:
+    """tests/dist_worker.py's JOB OUT under torchrun, 2 ranks."""
+    return torchrun(2, job, out)
+
+
+def train_at(world: int, out: Path, port: int, steps: int) -> str:
+    """train.py with RESUME_FLAGS and --steps: one plain process (no torchrun: its checkpoints are
+    a one-process save of plain tensors) or torchrun's 2 ranks; its output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **CPU_ONLY)
+    launcher = (
+        [sys.executable]
+        if world == 1
+        else [TORCHRUN, "--nproc_per_node", str(world), "--master_port", str(port)]
+    )
+    cmd = [*launcher, str(HERE.parent / "train.py"), *RESUME_FLAGS, "--steps", str(steps)]
+    p = subprocess.Popen(
+        [*cmd, "--out-dir", str(out)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return finished(p)
+
+
+# RUN_FLAGS, less --steps, with a warm-up longer than the run: each step's lr is its own, so a
+# schedule that started over shows
+RESUME_FLAGS = [
+    *RUN_FLAGS[RUN_FLAGS.index("--steps") + 2 :],
+    *["--warmup-steps", "8", "--lr", "1e-3"],
+]
+
+
+@pytest.mark.parametrize("saved_world, world", [(1, 2), (2, 1)], ids=["1-to-2", "2-to-1"])
+def test_a_run_resumed_at_another_world_size_continues_where_it_stopped(
+    tmp_path, tiny_path, saved_world, world
+):
+    import checkpoint
+    import data
+    import model
+    import runtime
+    from demo import tasks
+
+    port = 30200 + os.getpid() % 100
+    train_at(saved_world, tmp_path, port, steps=4)  # checkpoints at steps 2 and 4
+    before, weights = outcome(tmp_path)
+    # resumed with nothing left to run: the final weights are those it loaded
+    log = train_at(world, tmp_path, port + 100, steps=4)
+    changed = f"world size changed from {saved_world} to {world} since step_000004"
+    assert log.count(changed) == 1 and "damaged" not in log, log[-3000:]
+    assert "resumed from" in log and "step_000004 at step 4" in log
+    rows, loaded = outcome(tmp_path)
+    assert rows == before and same((rows, loaded), (before, weights))
+    log = train_at(world, tmp_path, port + 200, steps=6)
+    assert log.count(changed) == 1 and "damaged" not in log, log[-3000:]
+    rows, _ = outcome(tmp_path)
+    assert [r["step"] for r in rows] == list(range(7)) and rows[:5] == before
+    # the LR schedule continues
+    for r in rows[1:]:
+        assert r["lr"] == pytest.approx(1e-3 * runtime.warmup_factor(r["step"], 8), rel=1e-12)
+    # so does the prompt order: every rank's stream is where 6 steps of 8 prompts leave it
+    stream = data.PromptStream(len(tasks.sum3_split()[0]), 0)
+    for _ in range(6):
+        stream.take(8)
+    ckpts = tmp_path / "checkpoints"
+    for r in range(world):
+        state = torch.load(ckpts / "step_000006" / f"rank{r}.pt", weights_only=True)
+        assert state["stream_buf"] == stream.buf and state["stream_rng"] == stream.rng.getstate()
+    # and AdamW's state: 6 steps counted, not 2 of a fresh optimizer
+    policy = model.load_trainable(tiny_path, torch.device("cpu"), False)
+    opt = torch.optim.AdamW(policy.parameters())
+    checkpoint.load(ckpts / "step_000006", policy, opt)
+    assert {float(s["step"]) for s in opt.state.values()} == {6.0}
+    # the checkpoint of the other world size is this run's past, not another timeline: kept
+    assert sorted(c.name for c in ckpts.iterdir()) == ["step_000004", "step_000006"]
 
 
 @pytest.mark.cpu_numerics

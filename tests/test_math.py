@@ -1,5 +1,6 @@
 """The math path on CPU: problem files and their errors, DeepScaleR prompts and stage presets, a
-GRPO run from a .jsonl of math problems, and eval_aime.py's figures recounted from its own JSONL."""
+GRPO run from a .jsonl of math problems, eval_aime.py's figures recounted from its own JSONL, and
+held-out sets that share no problem with their training sets."""
 
 import json
 from pathlib import Path
@@ -232,3 +233,56 @@ def test_each_stage_gives_vllm_a_share_that_fits_its_kv_cache():
         need = rows["vLLM KV cache, a rank's sequences at full length"]
         room = tot["KV cache the share leaves (share - weights - ~2 GiB of activations)"]
         assert room >= need if stage < 3 else need > memory.GPU_GIB
+
+
+def test_no_held_out_problem_is_in_its_training_set(tmp_path, tiny_path):
+    # held-out figures measure a learned skill only if no held-out problem is trained on: every
+    # split a run makes or reads
+    import dpo
+    from demo import tasks
+
+    # data.split, of any rows: disjoint, and nothing lost
+    for n, fraction, seed in [(10, 0.1, 0), (7, 0.9, 3), (100, 0.25, 1), (1001, 0.5, 2)]:
+        rows = list(range(n))
+        train_rows, heldout = data.split(rows, fraction, seed)
+        assert not set(train_rows) & set(heldout) and sorted(train_rows + heldout) == rows
+        assert len(heldout) == round(n * fraction)
+    # the built-in tasks, as splits and as the files demo/tasks.py writes
+    splits = {"sum3": tasks.sum3_split()}
+    for name, (split, what) in tasks.TASKS.items():
+        splits[name] = split()
+        tasks.write_problems(tmp_path / name, *splits[name], what)
+        splits[f"{name} files"] = [
+            data.load_problems(str(tmp_path / name / f)) for f in ("train.jsonl", "heldout.jsonl")
+        ]
+    # GRPO's problems from a file with --val-fraction, as the run loads them
+    path = write(
+        tmp_path / "p.jsonl",
+        "".join(json.dumps({"problem": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(50)),
+    )
+    task = train.load_task(
+        config(
+            train.Config,
+            task="math",
+            data=path,
+            val_fraction=0.2,
+            eval_prompts=50,
+            prompt_template=str(FIX / "plain_template.txt"),
+        )
+    )
+    splits["--data --val-fraction"] = task.train, task.heldout
+    for name, (train_set, heldout) in splits.items():
+        assert len(heldout) >= 10 and len(train_set) > len(heldout), name
+        assert not {p.prompt for p in train_set} & {p.prompt for p in heldout}, name
+    # DPO's pairs: the synthetic sum3 set, and a file with --val-fraction
+    pairs = write(
+        tmp_path / "pairs.jsonl",
+        "".join(
+            json.dumps({"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i)}) + "\n"
+            for i in range(50)
+        ),
+    )
+    for flags in ({}, {"data": pairs, "val_fraction": 0.2}):
+        train_rows, heldout_rows, _ = dpo.load_preferences(config(dpo.DPOConfig, **flags))
+        assert len(heldout_rows) >= 10 and len(train_rows) > len(heldout_rows), flags
+        assert not {r.prompt for r in train_rows} & {r.prompt for r in heldout_rows}, flags

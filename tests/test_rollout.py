@@ -1,5 +1,5 @@
-"""rollout.py: the real vLLM engine against the trainer's logprobs (before and after refit) and the
-HF engine."""
+"""rollout.py: the real vLLM engine against the trainer's logprobs (before and after refit, also for
+prompts whose KV the engine cached before it) and the HF engine."""
 
 import pytest
 import torch
@@ -65,6 +65,33 @@ def test_vllm_logprobs_match_trainer_before_and_after_refit(vllm_engine, tiny_pa
     newer = perturbed(tiny_path, seed=1)
     vllm_engine.load_weights(distributed.full_weights(newer))
     assert mean_abs_diff(newer, vllm_engine, prompts, seed=4) < 1e-3
+
+
+def long_prompts(tok, n: int, length: int) -> list[list[int]]:
+    """n different prompts of `length` tokens: solved sums ("3+9+4=16"), then one to answer."""
+    train_set, heldout = tasks.sum3_split()
+    solved = [tok(p.prompt + p.answer, add_special_tokens=False)["input_ids"] for p in train_set]
+    prompts = []
+    for i in range(n):
+        question = tok(heldout[i].prompt)["input_ids"]  # BOS first
+        context = [t for ids in solved[i * 40 : (i + 1) * 40] for t in ids]
+        prompts.append(question[:1] + context[: length - len(question)] + question[1:])
+    return prompts
+
+
+def test_a_refit_drops_the_prompt_kv_cached_with_the_old_weights(vllm_engine, tiny_path, tok):
+    # vLLM caches the KV of a prompt's full blocks (prefix caching: the G samples of a prompt share
+    # it) and would serve it to the same prompt after a refit: the new weights' samples and
+    # logprobs on the old weights' prompt KV, unless load_weights resets the cache. Short prompts
+    # fill no block, so this needs prompts longer than a block (128 tokens on CPU, 16 on GPU).
+    block = vllm_engine.llm.llm_engine.vllm_config.cache_config.block_size
+    prompts = long_prompts(tok, 8, 240)  # + 8 response tokens: within the engine's 256
+    assert all(len(p) == 240 for p in prompts) and 240 // block >= 1, block
+    base = model.load_model(tiny_path)
+    assert mean_abs_diff(base, vllm_engine, prompts, seed=1) < 1e-3  # their blocks are cached now
+    new = perturbed(tiny_path, seed=0)
+    vllm_engine.load_weights(distributed.full_weights(new))
+    assert mean_abs_diff(new, vllm_engine, prompts, seed=2) < 1e-3
 
 
 def test_hf_engine_logprobs_match_trainer_after_refit(tiny_path, tok):
