@@ -150,6 +150,10 @@ class BenchConfig:
     # computes every sample); on, samples whose advantage is 0 cost no pass (the tiny and 25M models
     # score 0 everywhere: their update would then cost almost nothing)
     skip_zero_advantage: bool = False
+    # SmolLM2's reward: DeepScaleR's boxed answer (the model seldom boxes: nearly every reward is 0,
+    # so skipping would leave the update nothing to do), or the response's last number (reward.py's
+    # --answer last-number; rewards then vary within groups, as in `make smollm2`), for both sides
+    answer: Literal["boxed", "last-number"] = "boxed"
     # hf, vllm: train.py in float32 (its CPU default); hf-bf16: train.py with --dtype bfloat16 (bf16
     # engine weights, bf16 autocast in training). trl: TRL's GRPOTrainer in float32 with gradient
     # checkpointing off, like train.py (the same compute: hf's match); trl-bf16: the same in bf16
@@ -225,7 +229,7 @@ def run_ours(
     if chat:
         problems = chat_problems()
         max_len = max(len(data.math_prompt(tok, p.prompt)) for p in problems) + cfg.new_tokens
-        extra = dict(task="math", micro_batch_tokens=cfg.micro_batch * max_len)
+        extra = dict(task="math", answer=cfg.answer, micro_batch_tokens=cfg.micro_batch * max_len)
     kind = engine_name.removesuffix("-bf16")
     dtype = "bfloat16" if engine_name.endswith("-bf16") else "float32"
     if kind == "vllm":
@@ -276,6 +280,8 @@ def run_ours(
     res["gen_tokens_per_s"] = n_seq * cfg.new_tokens / res["generate"]
     # = new_tokens: the workload held
     res["response_len"] = statistics.mean(r["response_len_mean"] for r in rows)
+    # the share of samples the update computed (1.0 unless --skip-zero-advantage)
+    res["trained_frac"] = statistics.mean(r["trained_frac"] for r in rows)
     chat_tok = tok if chat else None
     prompt_len = statistics.mean(
         len(tok(t)["input_ids"]) for texts in step_prompts(cfg, steps, chat_tok) for t in texts
@@ -382,7 +388,10 @@ def run_trl(
 
     def exact(completions, answer, **_):
         if chat:  # conversational: each completion is [{"role": "assistant", "content": text}]
-            return [reward.math_reward(c[0]["content"], a) for c, a in zip(completions, answer)]
+            return [
+                reward.math_reward(c[0]["content"], a, answer=cfg.answer)
+                for c, a in zip(completions, answer)
+            ]
         return [reward.exact_reward(c, a) for c, a in zip(completions, answer)]
 
     times = {"step": [], "generate": [], "score": []}
@@ -585,7 +594,8 @@ def table(results: dict, cfg: BenchConfig) -> str:
         "average "
         f"{os.getloadavg()[0]:.1f} at the end"
         + (
-            f"; SmolLM2: chat prompts, micro-batches of {cfg.micro_batch} sequences"
+            f"; SmolLM2: chat prompts, micro-batches of {cfg.micro_batch} sequences, "
+            f"{cfg.answer} reward"
             if "smollm2" in cfg.models
             else ""
         ),
@@ -626,6 +636,13 @@ def table(results: dict, cfg: BenchConfig) -> str:
             f"{f(r.get('train_tokens_per_s'), 0)} | {f(r['peak_gib'], 2)} | {direct_s} | {vs} |"
         )
     lines.append("")
+    trained = [
+        f"{m} {e} {r['trained_frac']:.2f}"
+        for (m, e), r in results.items()
+        if r.get("trained_frac") is not None and r["trained_frac"] < 1
+    ]
+    if trained:  # --skip-zero-advantage: what the update computed (TRL computes every sample)
+        lines += ["Share of samples the update computed: " + ", ".join(trained) + ".", ""]
     lines.append(
         "TRL's update column is its step minus generate and score (it has no refit: the same model "
         "generates and trains). hf, vllm, trl: float32; hf-bf16, trl-bf16: bf16 compute over "
