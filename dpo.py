@@ -293,9 +293,8 @@ def encode_pairs(tok, rows: list[PrefRow], max_seq_len: int, what: str) -> list[
             prompt = tok(r.prompt)["input_ids"]
         else:
             raise UserError(
-                f"{what} pair {i}: the prompt is a list of chat messages, but the tokenizer has no "
-                "chat "
-                "template"
+                f"{what} pair {i}: the prompt is a list of chat messages, "
+                "but the tokenizer has no chat template"
             )
         resp = [
             tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -514,9 +513,8 @@ def validate(cfg: DPOConfig, world: int) -> None:
             ),
             (
                 cfg.loss == "dpo" or cfg.label_smoothing == 0.0,
-                f"--label-smoothing {cfg.label_smoothing}: only for --loss dpo (IPO has no labels "
-                "to "
-                "smooth)",
+                f"--label-smoothing {cfg.label_smoothing}: only for --loss dpo "
+                "(IPO has no labels to smooth)",
             ),
             (
                 cfg.batch_size >= world and cfg.batch_size % world == 0,

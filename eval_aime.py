@@ -222,8 +222,8 @@ def validate(cfg: EvalConfig, world: int) -> None:
             ),
             (
                 0 < cfg.gpu_memory_utilization < 1,
-                f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: must be a fraction in (0, "
-                "1)",
+                f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: "
+                "must be a fraction in (0, 1)",
             ),
             (writable(Path(cfg.out).absolute().parent), f"--out {cfg.out}: cannot be written"),
         ]
