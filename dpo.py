@@ -54,9 +54,11 @@ from demo import tasks
 
 @dataclass
 class DPOConfig:
-    """DPO's flags. The flags every training run has (`run`: runtime.RunConfig: --model, --data,
-    --steps, --lr, ...) are a dataclass of their own, with three defaults of DPO's; on the command
-    line all flags are flat."""
+    """DPO, conservative DPO or IPO on preference pairs: the built-in demo (no flags), or your pairs
+    and model. `python dpo.py export CKPT OUT` writes a saved step as an HF folder. The flags are in
+    two groups: DPO's own and the run's, which train.py shares (runtime.RunConfig, here with a
+    learning rate of 1e-4, no weight decay and a 600 s collective timeout); on the command line all
+    are flat."""
 
     # preference data (--data, --val-data and --val-fraction are run options)
     prompt_field: str = "prompt"  # field of the prompt (a string, or a list of chat messages)
@@ -79,6 +81,8 @@ class DPOConfig:
     run: runtime.RunConfig = field(
         default_factory=lambda: runtime.RunConfig(lr=1e-4, weight_decay=0.0, dist_timeout_s=600)
     )
+    """what every training run has, GRPO's and DPO's (runtime.py): model, data, compute, optimizer,
+    evaluation, checkpoints, logging"""
 
 
 def parse_args(argv: list[str]) -> DPOConfig:
@@ -289,9 +293,8 @@ def encode_pairs(tok, rows: list[PrefRow], max_seq_len: int, what: str) -> list[
             prompt = tok(r.prompt)["input_ids"]
         else:
             raise UserError(
-                f"{what} pair {i}: the prompt is a list of chat messages, but the tokenizer has no "
-                "chat "
-                "template"
+                f"{what} pair {i}: the prompt is a list of chat messages, "
+                "but the tokenizer has no chat template"
             )
         resp = [
             tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -510,9 +513,8 @@ def validate(cfg: DPOConfig, world: int) -> None:
             ),
             (
                 cfg.loss == "dpo" or cfg.label_smoothing == 0.0,
-                f"--label-smoothing {cfg.label_smoothing}: only for --loss dpo (IPO has no labels "
-                "to "
-                "smooth)",
+                f"--label-smoothing {cfg.label_smoothing}: only for --loss dpo "
+                "(IPO has no labels to smooth)",
             ),
             (
                 cfg.batch_size >= world and cfg.batch_size % world == 0,

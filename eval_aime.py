@@ -42,7 +42,12 @@ from checks import check, one_line_errors, writable
 
 @dataclass
 class EvalConfig:
-    # HF folder (e.g. a run's <out_dir>/final), hub name, or a built-in base ("tiny", "tiny-math")
+    """pass@1 over k samples per problem (95% CI), pass@k, mean length and truncated fraction of a
+    model on a problem file; every sample goes to --out. Under torchrun the problems are split over
+    the engines."""
+
+    # HF folder (e.g. a run's <out_dir>/final), hub name, or a built-in base: tiny, tiny-math,
+    # smollm2, r1-shape
     model: str
     data: str  # problems: .jsonl / .json / .parquet, or an HF dataset name[:split]
     out: str = "eval_samples.jsonl"  # every sample, one JSON line each
@@ -50,12 +55,13 @@ class EvalConfig:
     answer_field: str = "answer"  # field holding the gold answer
     # a text file with {problem}, used instead of the chat template + instruction
     prompt_template: str = ""
-    # math: last \boxed{} checked by math-verify; exact: the whole response equals the answer;
+    # math: the final answer (--answer) checked by math-verify; exact: the whole response equals
+    # the answer; path/to/file.py:function: your own (response, gold) -> float, guarded as in
+    # train.py (user_reward.py)
     reward: str = "math"
-    #   path/to/file.py:function: your own (response, gold) -> float, guarded as in train.py
-    # (user_reward.py) --reward math: the final answer is the last \boxed{} (boxed: DeepScaleR's),
-    # or that when it is there and not empty, else the response's last number (last-number: for
-    # models too small to box their answers, reward.py)
+    # --reward math: the final answer is the last \boxed{} (boxed: DeepScaleR's), or that when it is
+    # there and not empty, else the response's last number (last-number: for models too small to
+    # box their answers, reward.py)
     answer: Literal["boxed", "last-number"] = "boxed"
     reward_timeout_s: float = 1.0  # --reward FILE:FUNCTION: a call running longer scores 0
     k: int = 16  # samples per problem
@@ -216,8 +222,8 @@ def validate(cfg: EvalConfig, world: int) -> None:
             ),
             (
                 0 < cfg.gpu_memory_utilization < 1,
-                f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: must be a fraction in (0, "
-                "1)",
+                f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: "
+                "must be a fraction in (0, 1)",
             ),
             (writable(Path(cfg.out).absolute().parent), f"--out {cfg.out}: cannot be written"),
         ]

@@ -74,8 +74,9 @@ ISCorrection = Literal["none", "tis", "icepop", "seq-mask-tis", "seq-mask"]
 @dataclass
 class LossConfig:
     """The options of GRPO's objective: advantages (group_advantages) and the policy loss
-    (policy_loss). Each default is NeMo-RL's DeepScaleR stage-1 value; each comment is its flag's
-    help in train.py."""
+    (policy_loss). Each comment is its flag's help in train.py. The defaults are the demo's (plain
+    GRPO: group baseline, symmetric clip, no KL); DeepScaleR's values are train.py's --stage
+    presets."""
 
     # leave-one-out baseline and std (RLOO, as NeMo-RL) instead of the group's
     leave_one_out: bool = False

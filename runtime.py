@@ -52,7 +52,8 @@ class RunConfig:
     # model and data
 
     # HF folder or hub name, or a built-in base built once: tiny (the demos), tiny-math (the math
-    # recipe in miniature), r1-shape (tools/bench.py shape)
+    # recipe in miniature), smollm2 (SmolLM2-135M-Instruct: make smollm2), r1-shape (tools/bench.py
+    # shape)
     model: str = "tiny"
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
     # training data (.jsonl, .json, .parquet, or an HF dataset name[:split]): math problems (GRPO,
@@ -61,8 +62,8 @@ class RunConfig:
     val_data: str = ""  # held-out data of the same kind; default: --val-fraction of --data
     val_fraction: float = 0.0  # fraction of --data held out when --val-data is not given
     # compute dtype (weights and optimizer stay float32; GRPO's engine runs in it too); auto:
-    # bfloat16 on GPU, float32 on CPU, where bfloat16 pays only on CPUs with bf16 instructions
-    # (avx512_bf16, AMX): docs/engines.md
+    # bfloat16 on GPU, float32 on CPU, where bfloat16 pays only on CPUs with bf16 instructions,
+    # avx512_bf16 or AMX: docs/engines.md
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # recompute each decoder layer's activations in backward (long sequences)
     activation_checkpointing: bool = False

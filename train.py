@@ -57,10 +57,11 @@ from demo import tasks
 
 @dataclass
 class Config:
-    """GRPO's flags. The options of its objective (`loss`: grpo.LossConfig), LoRA's (`lora`:
-    lora.Adapters) and the flags every training run has (`run`: runtime.RunConfig) are dataclasses
-    of their own; on the command line all flags are flat (--eps-high, --lora-rank, --lr), and
-    `--help` lists them in four groups."""
+    """GRPO on the built-in demo (no flags), or on your problems and model. `python train.py export
+    CKPT OUT` writes a saved step (<out_dir>/checkpoints/step_NNNNNN) as an HF folder. The flags are
+    in four groups: GRPO's own, the loss's (grpo.LossConfig), LoRA's (lora.Adapters) and the run's,
+    which dpo.py shares (runtime.RunConfig); on the command line all are flat, as in --eps-high or
+    --lr."""
 
     # the rollout engine
 
@@ -126,13 +127,16 @@ class Config:
     # also bars for each step's rollout, training and evaluation (long GPU steps)
     detailed_progress: bool = False
     # CPU: before any model loads, stop if memory.py's estimate of a process's peak exceeds its
-    # share of the machine's available memory (the line names the flags that would fit);
-    # --no-memory-check runs anyway
+    # share of the machine's available memory (the line names the flags that would fit); off: run
+    # anyway
     memory_check: bool = True
     loss: grpo.LossConfig = field(default_factory=grpo.LossConfig)
-    # LoRA (lora.py): --lora-rank R > 0 trains adapters, not weights
+    """the objective: advantages and the policy loss (grpo.py)"""
     lora: Adapters = field(default_factory=Adapters)
+    """LoRA (lora.py): --lora-rank R > 0 trains adapters, not weights"""
     run: runtime.RunConfig = field(default_factory=runtime.RunConfig)
+    """what every training run has, GRPO's and DPO's (runtime.py): model, data, compute, optimizer,
+    evaluation, checkpoints, logging"""
 
 
 # DeepScaleR's three stages as NeMo-RL ran them on 8 GPUs (README: Math, the DeepScaleR recipe), as
@@ -377,12 +381,11 @@ def rollout_round(
         distributed.rank() // tp,
         cfg.prompts_per_step // (distributed.world_size() // tp),
     )
-    # 1. every rank draws
+    # 1. every rank draws the whole step's prompts, so that all streams stay in step, and keeps its
+    # engine's share
     ids = stream.take(cfg.prompts_per_step)[engine_rank * share : (engine_rank + 1) * share]
-    # the whole step's, so that all streams stay in step
     prompts = [task.train_prompts[i] for i in ids]
     with runtime.timed(times, "generate"):  # 2.
-        # the prompts' place in the step
         samples = engine.generate(
             prompts,
             n=G,
@@ -392,7 +395,7 @@ def rollout_round(
             progress=_bars(cfg),
             min_tokens=cfg.min_new_tokens,
             seed=seed,
-            first_index=engine_rank * share,
+            first_index=engine_rank * share,  # the prompts' place in the step: their streams
         )
     with runtime.timed(times, "score"):  # 3.
         rewards = score(task, ids, samples, G)  # [len(ids), G]
@@ -885,9 +888,8 @@ def encode_prompts(cfg: Config, tok, problems: list[data.Problem], template: str
             else f"--max-seq-len {cfg.max_seq_len} - --max-new-tokens {cfg.max_new_tokens}"
         )
         distributed.print0(
-            f"dropped {len(ids) - len(keep)} of {len(ids)} {what} prompts longer than {limit} "
-            "tokens "
-            f"({why})"
+            f"dropped {len(ids) - len(keep)} of {len(ids)} {what} prompts "
+            f"longer than {limit} tokens ({why})"
         )
     if not keep and problems:
         raise UserError(f"every {what} prompt is longer than {limit} tokens; raise --max-seq-len")
@@ -945,10 +947,9 @@ def validate(cfg: Config, world: int) -> None:
                     and cfg.minibatch_size % cfg.group_size == 0
                     and (cfg.prompts_per_step * cfg.group_size) % cfg.minibatch_size == 0
                 ),
-                f"--minibatch-size {cfg.minibatch_size}: must be a multiple of --group-size "
-                f"{cfg.group_size} (whole "
-                "groups) dividing prompts_per_step * group_size = "
-                f"{cfg.prompts_per_step * cfg.group_size}",
+                f"--minibatch-size {cfg.minibatch_size}: must be a multiple of "
+                f"--group-size {cfg.group_size} (whole groups) dividing "
+                f"prompts_per_step * group_size = {cfg.prompts_per_step * cfg.group_size}",
             ),
             (
                 0 <= cfg.min_new_tokens <= cfg.max_new_tokens,
@@ -971,8 +972,8 @@ def validate(cfg: Config, world: int) -> None:
             ),
             (
                 0 < cfg.gpu_memory_utilization < 1,
-                f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: must be a fraction in (0, "
-                "1)",
+                f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: "
+                "must be a fraction in (0, 1)",
             ),
             (
                 cfg.tensor_parallel_size >= 1
@@ -1078,9 +1079,9 @@ def check_memory(cfg: Config, world: int) -> None:
         ] * (fits[1] != budget)
         way = f"{' '.join(flags)} would fit ({memory_need_gib(cfg, shape, world, *fits):.1f} GiB)"
     raise UserError(
-        f"memory: this run needs about {need:.1f} GiB per process (memory.py) and {have:.1f} GiB "
-        "is "
-        f"available to each of this machine's {distributed.local_world_size()} processes; {way}; "
+        f"memory: this run needs about {need:.1f} GiB per process (memory.py) "
+        f"and {have:.1f} GiB is available "
+        f"to each of this machine's {distributed.local_world_size()} processes; {way}; "
         "--no-memory-check runs anyway"
     )
 

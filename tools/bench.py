@@ -132,6 +132,10 @@ class TurnTakingEngine:
 
 @dataclass
 class BenchConfig:
+    """Step time, phase by phase, of one fixed GRPO workload through train.py's loop and through
+    TRL's GRPOTrainer, side by side on this CPU (docs/speed.md). `tools/bench.py shape`: the 1.5B
+    shape end to end; `tools/bench.py lora`: LoRA's two ways into vLLM (each has its own --help)."""
+
     prompts: int = 16  # prompts per step
     group_size: int = 8  # samples per prompt
     new_tokens: int = 128  # every response is exactly this long (EOS masked until then)
@@ -158,15 +162,14 @@ class BenchConfig:
     # engine weights, bf16 autocast in training). trl: TRL's GRPOTrainer in float32 with gradient
     # checkpointing off, like train.py (the same compute: hf's match); trl-bf16: the same in bf16
     # mixed precision (hf-bf16's match); trl-defaults: as GRPOConfig comes (bf16 mixed precision,
-    # gradient checkpointing on: a recompute of every layer in backward) vllm-bf16: train.py
+    # gradient checkpointing on: a recompute of every layer in backward); vllm-bf16: train.py
     # --engine vllm --dtype bfloat16 (not in the default list)
     engines: list[
         Literal["hf", "vllm", "hf-bf16", "vllm-bf16", "trl", "trl-bf16", "trl-defaults"]
     ] = field(default_factory=lambda: ["hf", "vllm", "hf-bf16", "trl", "trl-bf16", "trl-defaults"])
     out: str = "runs/bench"  # where results.json and table.md are written
-    # internal: run one configuration in this process and write its JSON result here
-    one: str = ""
-    result: str = ""
+    one: str = ""  # internal: run this one configuration in this process
+    result: str = ""  # internal: where --one writes its JSON result
     turns: str = ""  # "GO_FD,DONE_FD": pipes to the parent that hands out turns (see Turns)
 
 
@@ -851,9 +854,10 @@ sys.exit(rc if rc >= 0 else 128 - rc)
 
 @dataclass
 class ShapeConfig:
-    """`python tools/bench.py shape`: the 1.5B shape end to end on CPU. The defaults are the
-    8K-token run (7K-token prompts + 1K-token responses, 2 ranks); development runs: --prompt-tokens
-    256 --response-tokens 16."""
+    """`python tools/bench.py shape`: the 1.5B shape (built-in r1-shape) end to end on CPU through
+    train.py, a resume, export and eval_aime.py. The defaults are an 8K-token run on 2 ranks, with
+    prompts of 7K tokens and responses of 1K; for development, use much shorter ones, such as 256
+    prompt tokens and 16 response tokens."""
 
     # each prompt's length: a generated problem padded with random letters (1 token each)
     prompt_tokens: int = 7168
@@ -1507,6 +1511,9 @@ def shape_table(res: dict, cfg: ShapeConfig) -> str:
 
 @dataclass
 class LoraBenchConfig:
+    """`python tools/bench.py lora`: the refit with LoRA, merged weights against vLLM's own
+    adapters (enable_lora), timed on the same prompts (docs/engines.md)."""
+
     # a built-in base: the demo's, or the 1.5B shape (2 layers)
     model: Literal["tiny", "r1-shape"] = "tiny"
     rank: int = 8  # LoRA's rank

@@ -186,6 +186,10 @@ OWNED = (
 
 @dataclass
 class ExpConfig:
+    """Named variants (sets of train.py flags) over seeds, as many runs at once as the cores allow,
+    resumable: each variant's held-out pass@1 with its 95% CI and its paired difference to the
+    first (docs/experiments.md)."""
+
     # one of the docs' tables (ignored when --variant is given); lora-recipe is meant for --setup
     # recipe --stage 2
     preset: Literal[
@@ -208,7 +212,7 @@ class ExpConfig:
     base: str = ""  # train.py flags for every run, after the set-up's (e.g. "--steps 60 --lr 1e-4")
     reward: str = ""  # your own reward for every run: path/to/file.py:function (train.py --reward)
     seeds: int = 5  # seeds per variant: --first-seed, --first-seed + 1, ...
-    first_seed: int = 0
+    first_seed: int = 0  # the first seed of every variant
     threads: int = 1  # torch threads per run
     jobs: int = 0  # runs at once; 0 = the cores / --threads (with GPUs: at most one run per GPU)
     out: str = ""  # the comparison's folder; default runs/exp/<setup> (runs/exp/recipe-s<stage>)

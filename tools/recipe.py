@@ -125,6 +125,9 @@ def recipe_report(folder: Path) -> str:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.split("\n\n")[0] + "\n\nusage: python tools/recipe.py FOLDER")
+        return
     check(
         [
             (
