@@ -102,17 +102,19 @@ def load_trainable(
     trust_remote_code: bool = False,
     dtype: torch.dtype = torch.float32,
     adapters: lora.Adapters | None = None,
+    bf16_params: bool = False,
 ) -> "LogprobModel":
     """An HF model in float32 (the optimizer's master weights), wrapped to return logprobs, sharded
     over ranks; with `adapters` on (--lora-rank > 0) its weights are frozen and LoRA adapters are
     what trains (lora.wrap). The tests pass float64 to compare world sizes and micro-batchings
     without float32's summation-order noise. Loaded on the CPU and sharded before it reaches the
-    device, so no GPU holds the whole float32 model (distributed.shard). bf16 compute is autocast's
-    (runtime.autocast), the same at any world size."""
+    device, so no GPU holds the whole float32 model (distributed.shard). bf16 compute is FSDP2's
+    policy with `bf16_params` (runtime.fsdp_bf16), else autocast's (runtime.autocast)."""
     lm = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
     if adapters is not None and adapters.on:
         lm = lora.wrap(lm, adapters)
-    return distributed.shard(LogprobModel(lm), lm, checkpointing=checkpointing).to(device)
+    root = LogprobModel(lm)
+    return distributed.shard(root, lm, checkpointing, bf16_params).to(device)
 
 
 def hf_weights(lm, dtype: torch.dtype | None = None):
