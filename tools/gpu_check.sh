@@ -6,7 +6,9 @@
 #
 # Checks, in order (the tiny built-in base, a few steps; about 5 minutes on one GPU is the budget):
 #   deps     tyro and math-verify importable; else installed from gpu-wheels/ (make gpu-wheels, on a machine with
-#            network) with pip --no-index into runs/gpu-check/pydeps, only the wheels this Python lacks
+#            network) with pip --no-index into runs/gpu-check/pydeps, only the wheels this Python lacks.
+#            gpu-wheels/ is git-ignored: it reaches the lent machine only when named in what the copy of the
+#            working tree carries (a device runner's extra paths), not with the tracked files
 #   cuda     a CUDA device torch can use, and a bf16 matmul on it                          (skipped: no GPU)
 #   train    torchrun --nproc_per_node 1 train.py: 4 steps, checkpoints at 2 and 4; on a GPU in bf16 with the
 #            float32 LM head (model.py); vLLM engine when importable, else --engine hf
@@ -50,7 +52,8 @@ for w in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
 EOF
 )
     if [ -z "$missing" ]; then
-        echo "deps    FAIL: tyro or math-verify missing and no wheels in $WHEELS/ (make gpu-wheels where there is network)"
+        echo "deps    FAIL: tyro or math-verify missing and no wheels in $WHEELS/ (make gpu-wheels where there is network;" \
+            "the folder is git-ignored: name it in what the copy to this machine carries)"
         exit 1
     fi
     run install "$PY" -m pip install -q --no-index --no-deps --target "$OUT/pydeps" $missing
