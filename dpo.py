@@ -552,11 +552,12 @@ def train_dpo(cfg: DPOConfig) -> dict:
             )
         ]
     )
+    remote, bf16_params = cfg.run.trust_remote_code, runtime.fsdp_bf16(cfg.run, device)
     policy = model.load_trainable(
-        path, device, cfg.run.activation_checkpointing, cfg.run.trust_remote_code
+        path, device, cfg.run.activation_checkpointing, remote, bf16_params=bf16_params
     )
     ref = (
-        model.load_trainable(path, device, False, cfg.run.trust_remote_code)
+        model.load_trainable(path, device, False, remote, bf16_params=bf16_params)
         .eval()
         .requires_grad_(False)
     )

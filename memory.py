@@ -3,8 +3,10 @@
 
 What it does: prints a markdown table (the one in docs/distributed.md) of the memory one rank needs
 at 8K, 16K and 24K tokens, as train.py runs the DeepScaleR stages: FSDP2 over N ranks with float32
-weights, gradients and AdamW moments (sharded), float32 gathers for compute (bf16 matmuls come from
-autocast), activations of one micro-batch, the chunked LM head, the gradients a minibatch
+weights, gradients and AdamW moments (sharded), bf16 gathers for compute (FSDP2's mixed-precision
+policy, train.py's GPU default under torchrun; `--precision autocast`: float32 gathers, and without
+checkpointing autocast's bf16 weight copies kept for backward), activations of one micro-batch,
+the chunked LM head, the gradients a minibatch
 accumulates unsharded (one reduction per minibatch), and vLLM's part: the share of the GPU it takes
 while it generates (the stage preset's gpu_memory_utilization) against the KV cache a rank's
 sequences need. While the trainer runs, the engine sleeps and holds (almost) nothing. `--device cpu`
@@ -114,12 +116,15 @@ def estimate(
     lora_rank: int = 0,
     reference: bool | None = None,
     seq_len: int = 0,
+    precision: Literal["autocast", "fsdp"] = "fsdp",
 ) -> dict[str, float]:
     """GiB per rank, one micro-batch of `tokens` padded tokens whose longest row is `seq_len` (0:
     one sequence of `tokens`). micro_batches: per minibatch on this rank (more than one: the
     gradients accumulate unsharded until the minibatch's one reduction). lora_rank > 0: LoRA
     adapters train, the base is frozen. reference: whether the KL term is on (default: as the stage
-    presets, beyond 8K tokens)."""
+    presets, beyond 8K tokens). precision: how a GPU's bf16 compute is had (train.py
+    --mixed-precision): autocast over float32 gathers, or FSDP2's policy (bf16 gathers); on CPU
+    compute is float32 and this changes nothing."""
     layer, rest = s.params()
     P = layer * s.layers + rest
     # what trains: gradients and AdamW moments exist for these
@@ -131,10 +136,21 @@ def estimate(
     act_layer = b * (6 * H + 4 * s.heads * head_dim + 4 * I)  # bytes / token / layer
     if device == "cpu":
         act_layer += 4 * S  # CPU SDPA's float32 copy of the padding mask, [rows, 1, S, S] per layer
+    autocast = device == "gpu" and precision == "autocast"
+    resid = 4 if device == "cpu" or autocast else 2
     if checkpointing:
-        acts = (4 * H * s.layers + 2 * act_layer) * tokens
+        acts = (resid * H * s.layers + 2 * act_layer) * tokens
     else:
         acts = (act_layer * s.layers + act_layer) * tokens
+    # Autocast casts each float32 weight to bf16 in every op, and a matmul keeps its bf16 operand
+    # for backward: without checkpointing, a bf16 copy of every decoder layer's weights lives until
+    # the backward reaches it (with checkpointing only the layer being recomputed has them, and
+    # FSDP2's bf16 policy computes in the gathered weights themselves). The LM head's operand is
+    # not among them: model.Bf16Head casts it again in backward.
+    copies = 2 * layer * s.layers if autocast and not checkpointing else 0
+    # bytes per gathered weight and per value of the residual stream (the layer inputs checkpointing
+    # keeps): float32 under autocast and on CPU, bf16 under FSDP2's policy
+    gathered = 4 if device == "cpu" or autocast else 2
     rows = {
         "parameters (B)": P / 1e9,
         "trainable parameters (M)": T / 1e6,
@@ -149,7 +165,10 @@ def estimate(
             4 * P / ranks if reference and not lora_rank else 0
         )
         / GiB,
-        "fp32 gathered: root + 2 layers": (4 * (rest + 2 * layer) if ranks > 1 else 0) / GiB,
+        "gathered: root + 2 layers (fp32; bf16 under FSDP2's policy)": (
+            gathered * (rest + 2 * layer) if ranks > 1 else 0
+        )
+        / GiB,
         "root's full gradients in backward (embedding, head)": (
             4 * rest if ranks > 1 and micro_batches == 1 and not lora_rank else 0
         )
@@ -157,9 +176,12 @@ def estimate(
         # FSDP2 gathers a group into one flat buffer, then copies it out into the parameters (and
         # reduces from one flat copy of the gradients): for a moment the largest group, the root,
         # exists twice
-        "FSDP's flat gather / reduce buffer (the root's group)": (4 * rest if ranks > 1 else 0)
+        "FSDP's flat gather / reduce buffer (the root's group)": (
+            gathered * rest if ranks > 1 else 0
+        )
         / GiB,
         "activations (one micro-batch)": acts / GiB,
+        "autocast's bf16 weight copies, kept for backward": copies / GiB,
         # the hidden states and the gathered rows
         "LM head: final hidden states (fp32)": 2 * 4 * H * tokens / GiB,
         "LM head: one chunk's logits, softmax and their gradients": 4
@@ -199,10 +221,11 @@ TRAINING = (
     "fp32 gradients (sharded)",
     "fp32 gradients accumulating (unsharded)",
     "reference copy for the KL term (fp32, sharded)",
-    "fp32 gathered: root + 2 layers",
+    "gathered: root + 2 layers (fp32; bf16 under FSDP2's policy)",
     "root's full gradients in backward (embedding, head)",
     "FSDP's flat gather / reduce buffer (the root's group)",
     "activations (one micro-batch)",
+    "autocast's bf16 weight copies, kept for backward",
     "LM head: final hidden states (fp32)",
     "LM head: one chunk's logits, softmax and their gradients",
 )
@@ -270,13 +293,16 @@ if __name__ == "__main__":
         kv_cache_gib: float = 1.0,
         process_gib: float = 0.85,
         lora_rank: int = 0,
+        precision: Literal["autocast", "fsdp"] = "fsdp",
     ):
         """config / model (the same): an HF model folder or a built-in base's name, as train.py's
         --model (default: DeepSeek-R1-Distill-Qwen-1.5B's shape). lengths: one micro-batch's padded
         tokens (rows x longest row), one table column each. seq_len: the micro-batch's longest row
         (0: one sequence of `lengths` tokens). vllm_fraction: vLLM's GPU share (default: the stage
         preset's for 8K / 16K / 24K). micro_batches: per minibatch on one rank. lora_rank: LoRA
-        adapters of this rank on every linear layer but the LM head (0: full fine-tuning)."""
+        adapters of this rank on every linear layer but the LM head (0: full fine-tuning).
+        precision: a GPU's bf16 policy (train.py --mixed-precision; fsdp, its default under
+        torchrun)."""
         path = model or config
         s = Shape.from_config(path) if path else Shape()
         print(
@@ -295,6 +321,7 @@ if __name__ == "__main__":
                 process_gib=process_gib,
                 lora_rank=lora_rank,
                 seq_len=seq_len,
+                precision=precision,
             )
         )
 

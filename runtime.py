@@ -6,7 +6,8 @@ What it does:
   checkpoints, logging), defined once: train.Config and dpo.DPOConfig each hold one as `run`, and
   the command line keeps them flat (--lr, --steps). run_checks: their one-line checks. config(): a
   config from flat values, as the command line spells them.
-- setup_process: this rank's threads, seed, device and compute dtype (bf16_compute, autocast).
+- setup_process: this rank's threads, seed, device and compute dtype (bf16_compute); the bf16
+  policy: FSDP2's (fsdp_bf16) or autocast's (autocast).
 - optimizer: AdamW and the LR schedule both loops use (warmup_factor: NeMo-RL's LinearLR, 0.1 x lr
   -> lr); optimizer_step: clip, then step unless the gradient is not finite; accumulate: metric sums
   over micro-batches.
@@ -65,6 +66,11 @@ class RunConfig:
     # bfloat16 on GPU, float32 on CPU, where bfloat16 pays only on CPUs with bf16 instructions,
     # avx512_bf16 or AMX: docs/engines.md
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # how bf16 compute is had (docs/distributed.md): fsdp, FSDP2's MixedPrecisionPolicy (bf16
+    # gathers and compute over float32 master weights, gradients reduced in float32; under torchrun
+    # only, even for one process); autocast, float32 gathers, each op casting its weights; auto:
+    # fsdp on GPU under torchrun, else autocast
+    mixed_precision: Literal["auto", "autocast", "fsdp"] = "auto"
     # recompute each decoder layer's activations in backward (long sequences)
     activation_checkpointing: bool = False
     # token budget of one forward/backward (padded tokens); bounds activation memory
@@ -112,6 +118,18 @@ def run_checks(run: RunConfig) -> list[tuple[bool, str]]:
         (0.0 <= run.val_fraction < 1.0, f"--val-fraction {run.val_fraction}: must be in [0, 1)"),
         (run.dist_timeout_s > 0, f"--dist-timeout-s {run.dist_timeout_s}: must be positive"),
         (
+            run.mixed_precision != "fsdp" or distributed.in_group(),
+            "--mixed-precision fsdp: FSDP2's policy needs the model sharded, so a process group: "
+            "run under torchrun (--nproc_per_node 1 for one device), or --mixed-precision autocast",
+        ),
+        (
+            run.mixed_precision != "fsdp"
+            or run.dtype == "bfloat16"
+            or (run.dtype == "auto" and torch.cuda.is_available()),
+            "--mixed-precision fsdp: is a bf16 policy, and this run computes in float32 "
+            "(--dtype bfloat16 on CPU)",
+        ),
+        (
             writable(Path(run.out_dir or "runs")),
             f"--out-dir {run.out_dir or 'runs'}: cannot be written",
         ),
@@ -155,15 +173,27 @@ def bf16_compute(run: RunConfig, device) -> bool:
     return run.dtype == "bfloat16" or (run.dtype == "auto" and device.type == "cuda")
 
 
+def fsdp_bf16(run: RunConfig, device) -> bool:
+    """Whether bf16 compute comes from FSDP2's mixed-precision policy (distributed.shard) rather
+    than autocast: --mixed-precision fsdp, or auto on a GPU under torchrun. Only with a process
+    group (run_checks): FSDP2 applies the policy to sharded modules, and a plain `python train.py`
+    shards nothing."""
+    if not bf16_compute(run, device):
+        return False
+    if run.mixed_precision == "auto":
+        return device.type == "cuda" and distributed.in_group()
+    return run.mixed_precision == "fsdp"
+
+
 def autocast(run: RunConfig, device):
-    """The one precision policy, at any world size: float32 weights (sharded or not), matmuls in
-    bf16 where bf16_compute, while norms, softmax, the residual stream and the LM head (model.py)
-    stay float32."""
+    """The autocast policy, where bf16_compute and not fsdp_bf16: float32 weights (sharded or not)
+    and float32 gathers, matmuls in bf16 (each op casts its weights), while norms, softmax, the
+    residual stream and the LM head (model.py) stay float32. Under fsdp_bf16 (and in float32) it is
+    off: FSDP2 gathers bf16 weights and the model computes in them."""
     # no weight cache: under FSDP it would keep a bf16 copy of every layer's gathered weights until
     # the forward ends
-    return torch.autocast(
-        device.type, torch.bfloat16, enabled=bf16_compute(run, device), cache_enabled=False
-    )
+    on = bf16_compute(run, device) and not fsdp_bf16(run, device)
+    return torch.autocast(device.type, torch.bfloat16, enabled=on, cache_enabled=False)
 
 
 def setup_process(run: RunConfig) -> tuple[torch.device, bool]:

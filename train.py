@@ -256,7 +256,10 @@ def load_policy_and_ref(cfg: Config, path: str, device):
     the frozen start model for the KL term: None when the term is off, and with LoRA the policy
     itself (its adapters switched off)."""
     ckpt, remote = cfg.run.activation_checkpointing, cfg.run.trust_remote_code
-    policy = model.load_trainable(path, device, ckpt, remote, adapters=cfg.lora)
+    bf16_params = runtime.fsdp_bf16(cfg.run, device)  # else autocast's bf16, or float32
+    policy = model.load_trainable(
+        path, device, ckpt, remote, adapters=cfg.lora, bf16_params=bf16_params
+    )
     if cfg.loss.kl_beta == 0:
         return policy, None
     if cfg.skip_zero_advantage:  # trained_rows
@@ -266,7 +269,7 @@ def load_policy_and_ref(cfg: Config, path: str, device):
         )
     if cfg.lora.on:
         return policy, policy
-    ref = model.load_trainable(path, device, False, remote)
+    ref = model.load_trainable(path, device, False, remote, bf16_params=bf16_params)
     return policy, ref.eval().requires_grad_(False)
 
 

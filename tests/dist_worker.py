@@ -2,13 +2,15 @@
 files.
 
 updates OUT CASES  the update job below for each case of CASES, a JSON object {name: [MICRO_TOKENS,
-                   MINIBATCHES, LR, OPT, PG, LORA_RANK, MODEL]}, in one process group: OUT/NAME.pt
-update OUT MICRO_TOKENS MINIBATCHES LR OPT [PG [LORA_RANK [MODEL]]]
+                   MINIBATCHES, LR, OPT, PG, LORA_RANK, MODEL, PRECISION]}, in one process group:
+                   OUT/NAME.pt
+update OUT MICRO_TOKENS MINIBATCHES LR OPT [PG [LORA_RANK [MODEL [PRECISION]]]]
                    one GRPO update (OPT adamw or sgd; PG ppo, gspo or cispo; LoRA adapters of that
                    rank, the KL reference then the base with adapters off) on a fixed global batch,
                    in float64; rank 0 saves the weights. MODEL: a built-in base (default the tiny
                    one); `smollm2` gets a smaller batch and no KL term (no reference copy), which
-                   keeps its float64 ranks within a few GiB
+                   keeps its float64 ranks within a few GiB. PRECISION: float64, or a bf16 policy
+                   over float32 weights (--dtype bfloat16 --mixed-precision autocast or fsdp)
 skips  OUT CASES   each case of CASES, {name: [MICRO_TOKENS, MINIBATCHES, LR, OPT, PG, LORA_RANK,
                    REWARDS, FLAGS]}, updated with --skip-zero-advantage and without, no KL term:
                    OUT/NAME.skip.pt and OUT/NAME.full.pt, and OUT/NAME.{skip,full}.json with the
@@ -97,6 +99,7 @@ def update(
     base: str = bases.TINY,
     rewards_kind: str = "",
     flags: dict | None = None,
+    precision: str = "float64",
 ) -> train.Update:
     rank, world = distributed.rank(), distributed.world_size()
     path = model.resolve(base)
@@ -121,6 +124,7 @@ def update(
         else 1e9,  # SGD unclipped: dw = -lr * the gradient itself
         pg=pg,
         **{"token_level": pg != "gspo", "lora_rank": lora_rank, **(flags or {})},
+        **({} if precision == "float64" else dict(dtype="bfloat16", mixed_precision=precision)),
     )
     # a prompt's G samples stay on one rank
     share = range(rank * P // world, (rank + 1) * P // world)
@@ -138,12 +142,15 @@ def update(
         keep = [g for g in range(len(share)) if rewards[share.start + g].std() > 0] or [0]
         b = b.select([g * G + j for g in keep for j in range(G)])
         b = replace(b, rows=list(range(len(b.rows))))
-    # float64 end to end
-    b = replace(b, gen_logp=b.gen_logp.double(), advantages=b.advantages.double())
+    cpu = torch.device("cpu")
+    # float64 end to end, or float32 master weights under a bf16 policy
+    if precision == "float64":
+        b = replace(b, gen_logp=b.gen_logp.double(), advantages=b.advantages.double())
+    f64 = torch.float64 if precision == "float64" else torch.float32
+    bf16_params = runtime.fsdp_bf16(cfg.run, cpu)
     torch.manual_seed(0)  # LoRA's A matrices: the same on every rank and at every world size
-    cpu, f64 = torch.device("cpu"), torch.float64
     policy = model.load_trainable(
-        path, cpu, checkpointing=micro_tokens < 100, dtype=f64, adapters=cfg.lora
+        path, cpu, micro_tokens < 100, dtype=f64, adapters=cfg.lora, bf16_params=bf16_params
     )
     # B = 0 would make the first step's gradient of A zero: start from adapters that do something
     if lora_rank:
@@ -162,7 +169,7 @@ def update(
         if not cfg.loss.kl_beta
         else policy
         if lora_rank
-        else model.load_trainable(path, cpu, checkpointing=False, dtype=f64)
+        else model.load_trainable(path, cpu, False, dtype=f64, bf16_params=bf16_params)
         .eval()
         .requires_grad_(False)
     )
@@ -190,8 +197,9 @@ def updates(out: Path, cases: dict[str, list]) -> None:
     all of them); each starts from the model files, with its own seeds."""
     distributed.init(120)
     out.mkdir(parents=True, exist_ok=True)
-    for name, (micro_tokens, minibatches, lr, opt, pg, lora_rank, base) in cases.items():
-        update(out / f"{name}.pt", micro_tokens, minibatches, lr, opt, pg, lora_rank, base)
+    for name, (micro_tokens, minibatches, lr, opt, pg, lora_rank, base, prec) in cases.items():
+        update(out / f"{name}.pt", micro_tokens, minibatches, lr, opt, pg, lora_rank, base,
+               precision=prec)  # fmt: skip
     distributed.close()
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from tools import experiments as X
 from checks import UserError
-from conftest import make_dry_run
+from conftest import make_dry_run, needs_make
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,6 +223,7 @@ def test_recipe_setup_is_the_makefiles_stage_line(tmp_path):
         assert ours == theirs, stage
 
 
+@needs_make
 def test_smollm2_setup_is_the_makefiles_run_shortened(tmp_path):
     """--setup smollm2's flags are `make smollm2`'s train.py line but for the steps, the
     evaluation's cadence and the final weights; --model and the KL preset pass train.py's checks on

