@@ -35,6 +35,7 @@ SCRIPTS = {
         ("tools/bench.py", "LoraBenchConfig"),
     ],
     "memory.py": [("memory.py", "main")],
+    "logs.py": [],  # reads its argv by hand: its flags are the "--..." strings in its source
 }
 # flags of the other programs the pages show (torchrun, pytest, pip, make, time)
 OTHER_FLAGS = {
@@ -92,6 +93,15 @@ def defined(path: str, dotted: str) -> bool:
 @cache
 def flags_of(script: str) -> frozenset[str]:
     out = {"--help", "-h"}
+    if not SCRIPTS[script]:
+        return frozenset(
+            out
+            | {
+                n.value
+                for n in ast.walk(tree(script))
+                if isinstance(n, ast.Constant) and re.fullmatch(r"--[a-z][\w-]*", str(n.value))
+            }
+        )
     for path, name in SCRIPTS[script]:
         node = next(
             n
