@@ -185,7 +185,15 @@ def heldout_table(rows: list[dict]) -> str:
     return "\n".join(lines) if len(lines) > 2 else "no held-out evaluations in this run"
 
 
+USAGE = """usage: python logs.py RUN_FOLDER                   curves.png in the run folder, the held-out table
+       python logs.py --compare OUT.png RUN ...       held-out pass@1 of several runs against steps
+                                                      and against wall-clock minutes"""
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] in (["--help"], ["-h"]):
+        print(USAGE)
+        return
     if argv[:1] == ["--compare"]:
         check([(len(argv) >= 3, "usage: python logs.py --compare OUT.png RUN_FOLDER ...")])
         out, runs = Path(argv[1]), [Path(a) for a in argv[2:]]

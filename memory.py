@@ -295,14 +295,28 @@ if __name__ == "__main__":
         lora_rank: int = 0,
         precision: Literal["autocast", "fsdp"] = "fsdp",
     ):
-        """config / model (the same): an HF model folder or a built-in base's name, as train.py's
-        --model (default: DeepSeek-R1-Distill-Qwen-1.5B's shape). lengths: one micro-batch's padded
-        tokens (rows x longest row), one table column each. seq_len: the micro-batch's longest row
-        (0: one sequence of `lengths` tokens). vllm_fraction: vLLM's GPU share (default: the stage
-        preset's for 8K / 16K / 24K). micro_batches: per minibatch on one rank. lora_rank: LoRA
-        adapters of this rank on every linear layer but the LM head (0: full fine-tuning).
-        precision: a GPU's bf16 policy (train.py --mixed-precision; fsdp, its default under
-        torchrun)."""
+        """Memory per rank of a GRPO run, estimated from a model's config.json.
+
+        Args:
+            config: an HF model folder or a built-in base's name (the same as --model).
+            model: as train.py's --model (default: DeepSeek-R1-Distill-Qwen-1.5B's shape).
+            ranks: GPUs (or CPU processes) the run is sharded over.
+            seqs_per_rank: sequences a rank generates per step (the KV cache's size).
+            chunk_tokens: train.py's --logprob-chunk-tokens.
+            checkpointing: train.py's --activation-checkpointing.
+            micro_batches: micro-batches per minibatch on one rank.
+            device: gpu, or cpu for a CPU run's resident memory.
+            vllm_fraction: vLLM's GPU share (default: the stage preset's for 8K / 16K / 24K).
+            gpu_gib: one GPU's memory.
+            lengths: one micro-batch's padded tokens (rows x longest row), one table column each.
+            seq_len: the micro-batch's longest row (0: one sequence of `lengths` tokens).
+            kv_cache_gib: --device cpu: vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE).
+            process_gib: --device cpu: what a process holds besides the model (torch, vLLM).
+            lora_rank: LoRA adapters of this rank on every linear layer but the LM head (0: full
+                fine-tuning).
+            precision: a GPU's bf16 policy (train.py --mixed-precision; fsdp, its default under
+                torchrun).
+        """
         path = model or config
         s = Shape.from_config(path) if path else Shape()
         print(
