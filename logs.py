@@ -185,9 +185,9 @@ def heldout_table(rows: list[dict]) -> str:
     return "\n".join(lines) if len(lines) > 2 else "no held-out evaluations in this run"
 
 
-USAGE = """usage: python logs.py RUN_FOLDER                   curves.png in the run folder, the held-out table
-       python logs.py --compare OUT.png RUN ...       held-out pass@1 of several runs against steps
-                                                      and against wall-clock minutes"""
+USAGE = """usage: python logs.py RUN_FOLDER              curves.png in the run, the held-out table
+       python logs.py --compare OUT.png RUN ...  held-out pass@1 of the runs against steps and
+                                                 against wall-clock minutes"""
 
 
 def main(argv: list[str]) -> None:
