@@ -22,6 +22,7 @@ Inputs are bounded in size first, and math-verify's own time limits (signal-base
 the main thread) bound each check.
 """
 
+import functools
 import re
 
 # only the tail can hold the final answer; bounding it bounds the regex work
@@ -88,22 +89,36 @@ def final_answer(response: str, answer: str = "boxed") -> str | None:
 
 def math_reward(response: str, gold: str, timeout_s: int = 1, answer: str = "boxed") -> float:
     try:
-        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
         final = final_answer(response, answer)
         if not final or _EXPLOSIVE.search(final):
             return 0.0
-        latex_only = [LatexExtractionConfig(boxed_match_priority=0)]
-        pred = parse(f"\\boxed{{{final}}}", extraction_config=latex_only, parsing_timeout=timeout_s)
-        gold_parsed = parse(
-            f"\\boxed{{{gold}}}",
-            extraction_config=latex_only + [ExprExtractionConfig()],
-            # the gold answer is trusted data, not model output
-            parsing_timeout=timeout_s,
-        )
-        if not pred or not gold_parsed:
-            return 0.0
-        return 1.0 if verify(gold_parsed, pred, timeout_seconds=timeout_s) else 0.0
+        _warm_up()
+        return _verify(final, gold, timeout_s)
     # math-verify's own timeouts raise too; any failure to verify is a wrong answer
     except Exception:
         return 0.0
+
+
+def _verify(final: str, gold: str, timeout_s: int) -> float:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    latex_only = [LatexExtractionConfig(boxed_match_priority=0)]
+    pred = parse(f"\\boxed{{{final}}}", extraction_config=latex_only, parsing_timeout=timeout_s)
+    gold_parsed = parse(
+        f"\\boxed{{{gold}}}",
+        extraction_config=latex_only + [ExprExtractionConfig()],
+        # the gold answer is trusted data, not model output
+        parsing_timeout=timeout_s,
+    )
+    if not pred or not gold_parsed:
+        return 0.0
+    return 1.0 if verify(gold_parsed, pred, timeout_seconds=timeout_s) else 0.0
+
+
+@functools.cache
+def _warm_up() -> None:
+    """A process's first parse and first symbolic comparison import and build what math-verify
+    needs (half a second on an idle CPU, more than a response's 1 s limit on a loaded one): done
+    once on trusted input with a generous limit, so that no response scores 0 for it."""
+    for final, gold in (("\\frac{1}{2}", "0.5"), ("x^{2}", "x^2")):
+        _verify(final, gold, timeout_s=60)
