@@ -137,9 +137,11 @@ def estimate(
     if device == "cpu":
         act_layer += 4 * S  # CPU SDPA's float32 copy of the padding mask, [rows, 1, S, S] per layer
     autocast = device == "gpu" and precision == "autocast"
-    resid = 4 if device == "cpu" or autocast else 2
+    # bytes per gathered weight and per value of the residual stream (the layer inputs checkpointing
+    # keeps): float32 under autocast and on CPU, bf16 under FSDP2's policy
+    wide = 4 if device == "cpu" or autocast else 2
     if checkpointing:
-        acts = (resid * H * s.layers + 2 * act_layer) * tokens
+        acts = (wide * H * s.layers + 2 * act_layer) * tokens
     else:
         acts = (act_layer * s.layers + act_layer) * tokens
     # Autocast casts each float32 weight to bf16 in every op, and a matmul keeps its bf16 operand
@@ -148,9 +150,6 @@ def estimate(
     # FSDP2's bf16 policy computes in the gathered weights themselves). The LM head's operand is
     # not among them: model.Bf16Head casts it again in backward.
     copies = 2 * layer * s.layers if autocast and not checkpointing else 0
-    # bytes per gathered weight and per value of the residual stream (the layer inputs checkpointing
-    # keeps): float32 under autocast and on CPU, bf16 under FSDP2's policy
-    gathered = 4 if device == "cpu" or autocast else 2
     rows = {
         "parameters (B)": P / 1e9,
         "trainable parameters (M)": T / 1e6,
@@ -166,7 +165,7 @@ def estimate(
         )
         / GiB,
         "gathered: root + 2 layers (fp32; bf16 under FSDP2's policy)": (
-            gathered * (rest + 2 * layer) if ranks > 1 else 0
+            wide * (rest + 2 * layer) if ranks > 1 else 0
         )
         / GiB,
         "root's full gradients in backward (embedding, head)": (
@@ -176,9 +175,7 @@ def estimate(
         # FSDP2 gathers a group into one flat buffer, then copies it out into the parameters (and
         # reduces from one flat copy of the gradients): for a moment the largest group, the root,
         # exists twice
-        "FSDP's flat gather / reduce buffer (the root's group)": (
-            gathered * rest if ranks > 1 else 0
-        )
+        "FSDP's flat gather / reduce buffer (the root's group)": (wide * rest if ranks > 1 else 0)
         / GiB,
         "activations (one micro-batch)": acts / GiB,
         "autocast's bf16 weight copies, kept for backward": copies / GiB,

@@ -124,8 +124,7 @@ def run_checks(run: RunConfig) -> list[tuple[bool, str]]:
         ),
         (
             run.mixed_precision != "fsdp"
-            or run.dtype == "bfloat16"
-            or (run.dtype == "auto" and torch.cuda.is_available()),
+            or bf16_compute(run, torch.device("cuda" if torch.cuda.is_available() else "cpu")),
             "--mixed-precision fsdp: is a bf16 policy, and this run computes in float32 "
             "(--dtype bfloat16 on CPU)",
         ),
