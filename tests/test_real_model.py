@@ -1,7 +1,8 @@
 """The real model, SmolLM2-135M-Instruct (`--model smollm2`), through the project's own paths on
 tiny batches.
 
-Its chat template, with its own system prompt, around every math prompt; a GRPO run on it (train.py
+Its chat template, with its own system prompt, around every math prompt, and `make smollm2`'s
+prompt file the same user turn without it; a GRPO run on it (train.py
 in processes of its own, the vLLM engine, float32, 2 prompts x 2 samples) whose engine agrees with
 the trainer before and after a refit (token_mult_prob_error < 1.001), checkpointed, resumed for a
 second step, exported, and the export loaded by transformers and by a fresh vLLM engine, which gives
@@ -175,6 +176,28 @@ def test_prompts_go_through_its_chat_template_with_its_own_system_prompt(tok):
             f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{problem.prompt} "
             f"{data.INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
         )
+
+
+def test_make_smollm2s_prompt_is_its_chat_templates_user_turn_without_the_system_prompt(tok):
+    # demo/smollm2-prompt.txt (--prompt-template) through train.load_task: the model's own chat
+    # format, as its template writes a user turn after a system message of our own, less that
+    # message
+    template = ROOT / "demo" / "smollm2-prompt.txt"
+    task = train.load_task(
+        runtime.config(
+            train.Config,
+            model=bases.SMOLLM2,
+            task="math",
+            data=str(PROBLEMS),
+            prompt_template=str(template),
+        )
+    )
+    for problem, ids in zip(task.train, task.train_prompts):
+        chat = [{"role": "system", "content": "S"}, {"role": "user", "content": problem.prompt}]
+        text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        head = "<|im_start|>system\nS<|im_end|>\n"
+        assert text.startswith(head) and tok.decode(ids) == text[len(head) :]
+        assert len(ids) < 30  # 57 with the system prompt and the instruction
 
 
 @pytest.mark.cpu_numerics
