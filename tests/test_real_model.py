@@ -1,15 +1,14 @@
 """The real model, SmolLM2-135M-Instruct (`--model smollm2`), through the project's own paths on
 tiny batches.
 
-Its chat template, with its own system prompt, around every math prompt, and `make smollm2`'s
-prompt file the same user turn without it; a GRPO run on it (train.py
-in processes of its own, the vLLM engine, float32, 2 prompts x 2 samples) whose engine agrees with
-the trainer before and after a refit (token_mult_prob_error < 1.001), checkpointed, resumed for a
-second step, exported, and the export loaded by transformers and by a fresh vLLM engine, which gives
-the trainer's logprobs, stops a response at `<|im_end|>` (id 2), and whose responses reach the
-reward without special tokens; the HF engine's refit. Its tied embeddings under FSDP2 (1 rank == 2
-ranks) are test_distributed.py's. Every test here is slow; what compares float32 numerics is
-cpu_numerics (conftest.py).
+Its chat template, with its own system prompt, around every math prompt, and `make smollm2`'s prompt
+file the same user turn without it; a GRPO run on it (train.py in processes of its own, the vLLM
+engine, float32, 2 prompts x 2 samples) whose engine agrees with the trainer before and after a
+refit (token_mult_prob_error < 1.001), checkpointed, resumed for a second step, exported, and the
+export loaded by transformers and by a fresh vLLM engine, which gives the trainer's logprobs, stops
+a response at `<|im_end|>` (id 2), and whose responses reach the reward without special tokens; the
+HF engine's refit. Its tied embeddings under FSDP2 (1 rank == 2 ranks) are test_distributed.py's.
+Every test here is slow; what compares float32 numerics is cpu_numerics (conftest.py).
 """
 
 import json
