@@ -371,10 +371,16 @@ def saved(out: Path):
     distributed.close()
 
 
-def loaded(out: Path):
+def loaded(out: Path, into: Path | None = None):
+    """OUT's checkpoint (saved's) loaded at this world size and compared with saved.pt there; with
+    INTO, what it loaded is saved again at this world size, as saved does, for the next load."""
     policy, opt, _ = fresh_policy_and_adamw()
     checkpoint.load(out / "checkpoints" / "step_000002", policy, opt)
     state = full_training_state(policy, opt)
+    if into:
+        checkpoint.write(into / "checkpoints", 2, policy, opt, {}, {}, keep=2)
+        if distributed.is_main():
+            torch.save(state, into / "saved.pt")
     if distributed.is_main():
         want = torch.load(out / "saved.pt")
         result = {
@@ -398,5 +404,5 @@ if __name__ == "__main__":
         "policy": lambda: policy(out),
         "hang": lambda: hang(out),
         "saved": lambda: saved(out),
-        "loaded": lambda: loaded(out),
+        "loaded": lambda: loaded(out, Path(sys.argv[3]) if len(sys.argv) > 3 else None),
     }[job]()

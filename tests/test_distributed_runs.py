@@ -177,30 +177,36 @@ def test_a_rank_killed_mid_run_then_the_same_command_resumes_to_the_same_end(
 
 def test_checkpoints_reshard_weights_and_adamw_state_between_one_process_and_two_ranks(tmp_path):
     # one process without torchrun saves plain tensors (no_dist); two ranks load them into FSDP2's
-    # DTensor shards, and the other way round: every weight and AdamW tensor (step, exp_avg,
-    # exp_avg_sq) comes back equal
-    for save, load in ((one_process, two_ranks), (two_ranks, one_process)):
-        out = tmp_path / f"{save.__name__}-to-{load.__name__}"
-        out.mkdir()
-        for job, launch in (("saved", save), ("loaded", load)):
-            r = launch(job, out)
-            assert r.returncode == 0, r.stderr[-3000:]
-        got = json.loads((out / "loaded.json").read_text())
+    # DTensor shards and save those; one process loads the ranks' checkpoint: every weight and
+    # AdamW tensor (step, exp_avg, exp_avg_sq) comes back equal at each load
+    one, two = tmp_path / "one-process", tmp_path / "two-ranks"
+    one.mkdir()
+    two.mkdir()
+    for launch, args, world in (
+        (one_process, ("saved", one), 0),
+        (two_ranks, ("loaded", one, two), 2),
+        (one_process, ("loaded", two), 1),
+    ):
+        r = launch(*args)
+        assert r.returncode == 0, r.stderr[-3000:]
+        if not world:
+            continue
+        got = json.loads((args[1] / "loaded.json").read_text())
         # the tiny model's 26 weights, each with its 3 AdamW tensors
-        assert got["n"] == 26 * 4 and got["world"] == (2 if load is two_ranks else 1)
+        assert got["n"] == 26 * 4 and got["world"] == world
         assert got["missing"] == got["extra"] == got["differ"] == [], got
 
 
-def one_process(job: str, out: Path) -> subprocess.CompletedProcess:
-    """tests/dist_worker.py's JOB OUT in one process, without torchrun (no process group)."""
+def one_process(job: str, *args) -> subprocess.CompletedProcess:
+    """tests/dist_worker.py's JOB ARGS... in one process, without torchrun (no process group)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **CPU_ONLY)
-    cmd = [sys.executable, str(HERE / "dist_worker.py"), job, str(out)]
+    cmd = [sys.executable, str(HERE / "dist_worker.py"), job, *map(str, args)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def two_ranks(job: str, out: Path) -> subprocess.CompletedProcess:
-    """tests/dist_worker.py's JOB OUT under torchrun, 2 ranks."""
-    return torchrun(2, job, out)
+def two_ranks(job: str, *args) -> subprocess.CompletedProcess:
+    """tests/dist_worker.py's JOB ARGS... under torchrun, 2 ranks."""
+    return torchrun(2, job, *args)
 
 
 def train_at(world: int, out: Path, port: int, steps: int) -> str:

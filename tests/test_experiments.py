@@ -274,8 +274,9 @@ def test_harness_runs_resumes_and_reports_what_the_metrics_say(tmp_path):
         str(out),
         "--jobs",
         "2",
-        "--base=--steps 2 --eval-every 1 --prompts-per-step 4 --group-size 2 --eval-prompts 16 "
-        "--eval-samples 2",
+        # the HF engine: the harness is under test, not vLLM's start-up
+        "--base=--engine hf --steps 2 --eval-every 1 --prompts-per-step 4 --group-size 2 "
+        "--eval-prompts 16 --eval-samples 2",
     ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -7,7 +7,8 @@ engine, float32, 2 prompts x 2 samples) whose engine agrees with the trainer bef
 refit (token_mult_prob_error < 1.001), checkpointed, resumed for a second step, exported, and the
 export loaded by transformers and by a fresh vLLM engine, which gives the trainer's logprobs, stops
 a response at `<|im_end|>` (id 2), and whose responses reach the reward without special tokens; the
-HF engine's refit. Its tied embeddings under FSDP2 (1 rank == 2 ranks) are test_distributed.py's.
+HF engine's refit. Tied embeddings under FSDP2 (1 rank == 2 ranks) are test_distributed.py's, on
+the tiny model, tied as SmolLM2 is.
 Every test here is slow; what compares float32 numerics is cpu_numerics (conftest.py).
 """
 
