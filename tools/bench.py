@@ -665,6 +665,16 @@ def table(results: dict, cfg: BenchConfig) -> str:
     return "\n".join(lines)
 
 
+def workload_flags(cfg: BenchConfig) -> list[str]:
+    """The flags that make the workload, as each configuration's process is given them: all of
+    them, or a process would run its default (a reward or skipping the table does not name)."""
+    names = ("prompts", "group_size", "new_tokens", "steps", "large_steps", "micro_batch", "answer")
+    flags = [x for k in names for x in (f"--{k.replace('_', '-')}", str(getattr(cfg, k)))]
+    return flags + [
+        "--skip-zero-advantage" if cfg.skip_zero_advantage else "--no-skip-zero-advantage"
+    ]
+
+
 def run_ring(cfg: BenchConfig, model_name: str, engines: list[str], out: Path) -> dict:
     """Start one process per engine and hand out turns, one step at a time, until all have
     finished."""
@@ -685,22 +695,7 @@ def run_ring(cfg: BenchConfig, model_name: str, engines: list[str], out: Path) -
             str(res_file),
             "--turns",
             f"{go_r},{done_w}",
-            *sum(
-                (
-                    [f"--{k.replace('_', '-')}", str(v)]
-                    for k, v in asdict(cfg).items()
-                    if k
-                    in (
-                        "prompts",
-                        "group_size",
-                        "new_tokens",
-                        "steps",
-                        "large_steps",
-                        "micro_batch",
-                    )
-                ),
-                [],
-            ),
+            *workload_flags(cfg),
         ]
         log = open(out / f"{engine_name}-{model_name}.log", "w")
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, pass_fds=(go_r, done_w))
