@@ -156,7 +156,7 @@ class BenchConfig:
     skip_zero_advantage: bool = False
     # SmolLM2's reward: DeepScaleR's boxed answer (the model seldom boxes: nearly every reward is 0,
     # so skipping would leave the update nothing to do), or the response's last number (reward.py's
-    # --answer last-number; rewards then vary within groups, as in `make smollm2`), for both sides
+    # --answer last-number), for both sides; responses forced to --new-tokens still mostly score 0
     answer: Literal["boxed", "last-number"] = "boxed"
     # hf, vllm: train.py in float32 (its CPU default); hf-bf16: train.py with --dtype bfloat16 (bf16
     # engine weights, bf16 autocast in training). trl: TRL's GRPOTrainer in float32 with gradient
