@@ -162,12 +162,16 @@ def runs(tmp_path_factory, path) -> dict:
     )
 
 
-def test_prompts_go_through_its_chat_template_with_its_own_system_prompt(tok):
-    # the prompts the run trains on (train.load_task), decoded, against the template written out
-    # here by hand
-    task = train.load_task(
-        runtime.config(train.Config, model=bases.SMOLLM2, task="math", data=str(PROBLEMS))
+def math_task(**flags) -> "train.Task":
+    """The prompts a run on the math problems would train on (train.load_task), with FLAGS."""
+    return train.load_task(
+        runtime.config(train.Config, model=bases.SMOLLM2, task="math", data=str(PROBLEMS), **flags)
     )
+
+
+def test_prompts_go_through_its_chat_template_with_its_own_system_prompt(tok):
+    # the prompts the run trains on, decoded, against the template written out here by hand
+    task = math_task()
     problems = {p.prompt for p in data.load_problems(str(PROBLEMS))}
     assert len(task.train_prompts) == len(task.train) > 0
     for problem, ids in zip(task.train, task.train_prompts):
@@ -182,16 +186,7 @@ def test_make_smollm2s_prompt_is_its_chat_templates_user_turn_without_the_system
     # demo/smollm2-prompt.txt (--prompt-template) through train.load_task: the model's own chat
     # format, as its template writes a user turn after a system message of our own, less that
     # message
-    template = ROOT / "demo" / "smollm2-prompt.txt"
-    task = train.load_task(
-        runtime.config(
-            train.Config,
-            model=bases.SMOLLM2,
-            task="math",
-            data=str(PROBLEMS),
-            prompt_template=str(template),
-        )
-    )
+    task = math_task(prompt_template=str(ROOT / "demo" / "smollm2-prompt.txt"))
     for problem, ids in zip(task.train, task.train_prompts):
         chat = [{"role": "system", "content": "S"}, {"role": "user", "content": problem.prompt}]
         text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
