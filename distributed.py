@@ -23,7 +23,8 @@ What it does:
 - micro_batches: token-budget micro-batches, the same number on every rank (FSDP's collectives need
   it).
 - reuse_freed_memory: on CPU, glibc keeps freed memory for the next step instead of returning it to
-  the kernel; release_freed_memory gives it back before a forward when over a GiB of it is held.
+  the kernel; release_freed_memory gives it back before a forward when the heap has grown by a GiB
+  since it last did.
 - close: the end of a run's distributed state, the engine first.
 
 Imported as `distributed` (never `dist`, which reads as torch.distributed; this file imports torch's
@@ -93,6 +94,7 @@ class _Mallinfo2(ctypes.Structure):
 
 
 _LIBC = None  # glibc, once reuse_freed_memory has set it up
+_HEAP_AT_TRIM = 0  # the heap's size in bytes when release_freed_memory last trimmed it
 
 
 def reuse_freed_memory() -> bool:
@@ -107,7 +109,7 @@ def reuse_freed_memory() -> bool:
     previous one left, so without release_freed_memory the heap would grow pass after pass.
     Process-wide; a no-op (False) where libc is not glibc, or a glibc older than 2.33.
     """
-    global _LIBC
+    global _LIBC, _HEAP_AT_TRIM
     try:
         libc = ctypes.CDLL("libc.so.6")
         # release_freed_memory needs mallinfo2 (glibc >= 2.33) to bound the heap: without it,
@@ -118,18 +120,28 @@ def reuse_freed_memory() -> bool:
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
     ok = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
     _LIBC = libc if ok else None
+    if ok:
+        _HEAP_AT_TRIM = libc.mallinfo2().arena
     return ok
 
 
 def release_freed_memory(min_gib: float = 1.0) -> bool:
     """After reuse_freed_memory: give the heap's free pages back to the kernel (malloc_trim) when
-    it holds more than `min_gib` of them, and say whether it did. Called before every forward over
-    a micro-batch (model.LogprobModel), it keeps a process's peak at about one pass's heap: small
-    models never reach the bound and keep every page; a large micro-batch faults its pages in again
-    rather than growing the heap (measured in docs/distributed.md). A no-op elsewhere."""
-    if _LIBC is None or _LIBC.mallinfo2().fordblks < min_gib * 2**30:
+    the heap has grown by more than `min_gib` past its size the last time it did (or at
+    reuse_freed_memory), and say whether it did. Called before every forward over a micro-batch
+    (model.LogprobModel). Passes that fit the heap's holes never trigger it: a trim before every
+    pass would fault all of a pass's pages in again, a fifth of a large micro-batch's update. A
+    heap that keeps growing is trimmed once per `min_gib` of growth. A no-op elsewhere."""
+    global _HEAP_AT_TRIM
+    if _LIBC is None:
+        return False
+    heap = _LIBC.mallinfo2().arena
+    if heap < _HEAP_AT_TRIM + min_gib * 2**30:
         return False
     _LIBC.malloc_trim(0)
+    # the size it had, not the smaller one it has now that its top went back: growing back to it
+    # is reuse, not growth
+    _HEAP_AT_TRIM = heap
     return True
 
 

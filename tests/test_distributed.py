@@ -297,20 +297,28 @@ import distributed
 assert distributed.reuse_freed_memory()
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
-# a micro-batch's tensors, written and freed: the heap keeps their pages
-acts = [torch.empty(mib * 2**20 // 4).fill_(1.0) for mib in {sizes}]
-del acts
+def micro_batch(sizes):  # a pass's tensors, written and freed: the heap keeps their pages
+    acts = [torch.empty(mib * 2**20 // 4).fill_(1.0) for mib in sizes]
+    del acts
+micro_batch({sizes})
 held = rss_mib()
 small = distributed.release_freed_memory(min_gib={above})
 after_small = rss_mib()
 large = distributed.release_freed_memory(min_gib={below})
-print(small, large, held - after_small, after_small - rss_mib())
+after_large = rss_mib()
+micro_batch({sizes})  # the same pass again: the heap grows back to its size, no further
+again = distributed.release_freed_memory(min_gib={below})
+kept = rss_mib() - after_large
+micro_batch({sizes} * 2)  # a pass that does not fit: the heap grows past the bound
+grown = distributed.release_freed_memory(min_gib={below})
+print(small, large, again, grown, held - after_small, after_small - after_large, kept)
 """
 
 
-def test_release_freed_memory_gives_back_a_large_heap_only():
+def test_release_freed_memory_gives_back_a_grown_heap_only():
     """reuse_freed_memory's heap keeps a freed micro-batch's pages (no fault on the next pass);
-    release_freed_memory gives them back once more than its bound is free, and not before."""
+    release_freed_memory gives them back once more than its bound is free, not before, and not
+    again while later passes fit the heap it left, until the heap grows by the bound once more."""
     root, sizes = str(Path(__file__).resolve().parents[1]), [96, 64, 48, 32, 16]  # 256 MiB
     out = subprocess.run(
         [
@@ -322,10 +330,11 @@ def test_release_freed_memory_gives_back_a_large_heap_only():
         text=True,
         check=True,
     ).stdout.split()
-    small, large, dropped_small, dropped_large = out[0], out[1], float(out[2]), float(out[3])
-    assert (small, large) == ("False", "True")
+    trimmed, (dropped_small, dropped_large, kept) = out[:4], map(float, out[4:])
+    assert trimmed == ["False", "True", "False", "True"]
     assert abs(dropped_small) < 16  # under the bound: kept
     assert dropped_large > 0.8 * sum(sizes)  # over it: given back
+    assert kept > 0.8 * sum(sizes)  # the next pass's pages stay: no trim faults them in again
 
 
 # ----------------------------------------------------------------------------------------------
