@@ -317,8 +317,8 @@ print(small, large, again, grown, held - after_small, after_small - after_large,
 
 def test_release_freed_memory_gives_back_a_grown_heap_only():
     """reuse_freed_memory's heap keeps a freed micro-batch's pages (no fault on the next pass);
-    release_freed_memory gives them back once more than its bound is free, not before, and not
-    again while later passes fit the heap it left, until the heap grows by the bound once more."""
+    release_freed_memory gives them back once the heap has grown by more than its bound, not
+    before, and not again while later passes fit the heap, until it grows by the bound once more."""
     root, sizes = str(Path(__file__).resolve().parents[1]), [96, 64, 48, 32, 16]  # 256 MiB
     out = subprocess.run(
         [
