@@ -236,7 +236,7 @@ class LogprobModel(torch.nn.Module):
         temperature: these are the logprobs of the distribution that was sampled from.
         """
         B, L = input_ids.shape
-        distributed.release_freed_memory()  # on CPU: the previous pass's freed heap, if large
+        distributed.release_freed_memory()  # on CPU: the freed heap, once it has grown by a GiB
         # [B, L, H]
         hidden = self.lm.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask
