@@ -148,7 +148,7 @@ def estimate(
     # for backward: without checkpointing, a bf16 copy of every decoder layer's weights lives until
     # the backward reaches it (with checkpointing only the layer being recomputed has them, and
     # FSDP2's bf16 policy computes in the gathered weights themselves). The LM head's operand is
-    # not among them: model.Bf16Head casts it again in backward.
+    # not among them: model.head_grads casts it again in backward.
     copies = 2 * layer * s.layers if autocast and not checkpointing else 0
     rows = {
         "parameters (B)": P / 1e9,

