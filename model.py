@@ -154,21 +154,28 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bf16: bool) -> torch
         return hidden.to(dtype) @ weight.to(dtype).t()
 
 
-def head_grads(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bf16: bool):
+def head_grads(
+    grad: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bf16: bool,
+    d_weight: bool = True,
+):
     """The backward of head_logits: (d hidden [n, H], d weight [V, H]) from d logits [n, V], each in
-    its input's dtype (the float32 master weight's, or FSDP2's bf16 gathered one). bf16: the
+    its input's dtype (the float32 master weight's, or FSDP2's bf16 gathered one); d weight is None
+    without `d_weight` (a frozen head: LoRA). bf16: the
     gradient of the logits in bf16, both products accumulated in float32 (torch has no derivative
     for `mm(out_dtype=)`). The weight is cast here, not saved cast: a saved bf16 copy would hold
     V x H x 2 bytes until backward."""
     with torch.autocast(grad.device.type, enabled=False):
         if bf16:
             g = grad.to(torch.bfloat16)
-            d_hidden = _mm_f32(g, weight.to(torch.bfloat16))
-            d_weight = _mm_f32(g.t(), hidden.to(torch.bfloat16))
+            d_h = _mm_f32(g, weight.to(torch.bfloat16))
+            d_w = _mm_f32(g.t(), hidden.to(torch.bfloat16)) if d_weight else None
         else:
-            d_hidden = grad @ weight.to(grad.dtype)
-            d_weight = grad.t() @ hidden.to(grad.dtype)
-    return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype)
+            d_h = grad @ weight.to(grad.dtype)
+            d_w = grad.t() @ hidden.to(grad.dtype) if d_weight else None
+    return d_h.to(hidden.dtype), None if d_w is None else d_w.to(weight.dtype)
 
 
 def bf16_head(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -195,7 +202,7 @@ class HeadLogprob(torch.autograd.Function):
     lives from forward to backward (it keeps hidden, the weight and log Z, and recomputes the logits
     there: one matmul) and each [n, V] pass is done once, in place: a few passes over the logits
     where autograd through logsumexp, gather and the division would run about three times as many,
-    and allocate as many [n, V] tensors (about a fifth of SmolLM2's update on CPU)."""
+    and allocate as many [n, V] tensors. A frozen head (LoRA) gets no weight gradient computed."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, bf16: bool):
@@ -227,7 +234,7 @@ class HeadLogprob(torch.autograd.Function):
         g.scatter_add_(-1, targets[:, None], grad_logp[:, None].to(g.dtype))
         if T != 1.0:  # s = logits / T
             g.div_(T)
-        d_hidden, d_weight = head_grads(g, hidden, weight, ctx.bf16)
+        d_hidden, d_weight = head_grads(g, hidden, weight, ctx.bf16, ctx.needs_input_grad[1])
         return d_hidden, d_weight, None, None, None, None
 
 
