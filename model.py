@@ -163,10 +163,9 @@ def head_grads(
 ):
     """The backward of head_logits: (d hidden [n, H], d weight [V, H]) from d logits [n, V], each in
     its input's dtype (the float32 master weight's, or FSDP2's bf16 gathered one); d weight is None
-    without `d_weight` (a frozen head: LoRA). bf16: the
-    gradient of the logits in bf16, both products accumulated in float32 (torch has no derivative
-    for `mm(out_dtype=)`). The weight is cast here, not saved cast: a saved bf16 copy would hold
-    V x H x 2 bytes until backward."""
+    without `d_weight` (a frozen head: LoRA). bf16: the gradient of the logits in bf16, both
+    products accumulated in float32 (torch has no derivative for `mm(out_dtype=)`). The weight is
+    cast here, not saved cast: a saved bf16 copy would hold V x H x 2 bytes until backward."""
     with torch.autocast(grad.device.type, enabled=False):
         if bf16:
             g = grad.to(torch.bfloat16)
