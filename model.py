@@ -213,10 +213,11 @@ class HeadLogprob(torch.autograd.Function):
         logp = s.gather(-1, targets[:, None]).squeeze(-1)  # [n], less log Z below
         p = s.exp() if with_entropy else s.exp_()  # unnormalized pi
         z = p.sum(-1)  # [n]
-        logp = logp - z.log()
+        log_z = z.log()
+        logp = logp - log_z
         # H = log Z - E_pi[s]
-        entropy = z.log() - p.mul_(s).sum(-1) / z if with_entropy else torch.zeros_like(logp)
-        ctx.save_for_backward(hidden, weight, targets, m.squeeze(-1) + z.log())
+        entropy = log_z - p.mul_(s).sum(-1) / z if with_entropy else torch.zeros_like(logp)
+        ctx.save_for_backward(hidden, weight, targets, m.squeeze(-1) + log_z)
         ctx.temperature, ctx.bf16 = temperature, bf16
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -228,11 +229,10 @@ class HeadLogprob(torch.autograd.Function):
         g = head_logits(hidden, weight, ctx.bf16)  # [n, V], in place from here on
         if T != 1.0:
             g.div_(T)
-        # d s = grad_logp (onehot(y_t) - pi)
-        g.sub_(logz[:, None]).exp_().mul_(-grad_logp[:, None])
-        g.scatter_add_(-1, targets[:, None], grad_logp[:, None].to(g.dtype))
-        if T != 1.0:  # s = logits / T
-            g.div_(T)
+        # d logits = grad_logp (onehot(y_t) - pi) / T, as s = logits / T
+        scale = (grad_logp[:, None] / T).to(g.dtype)  # [n, 1]
+        g.sub_(logz[:, None]).exp_().mul_(-scale)
+        g.scatter_add_(-1, targets[:, None], scale)
         d_hidden, d_weight = head_grads(g, hidden, weight, ctx.bf16, ctx.needs_input_grad[1])
         return d_hidden, d_weight, None, None, None, None
 
