@@ -195,6 +195,26 @@ def test_make_smollm2s_prompt_is_its_chat_templates_user_turn_without_the_system
         assert len(ids) < 30  # 57 with the system prompt and the instruction
 
 
+
+def test_benchs_additions_give_trl_the_prompts_train_py_trains_on(tok):
+    # tools/bench.py --workload additions hands TRL each prompt as text, which TRL tokenizes again:
+    # it must give the very ids train.py trains on with make smollm2's --prompt-template, or the
+    # two sides would not run the same work
+    from tools import bench
+
+    cfg = bench.BenchConfig(models=["smollm2"], workload="additions")
+    problems = bench.chat_problems(cfg)
+    assert len(problems) == 8100 - 200 and problems[0].prompt.startswith("What is ")
+    template = str(ROOT / "demo" / "smollm2-prompt.txt")
+    task = math_task(prompt_template=template)
+    for problem, ids in zip(task.train, task.train_prompts):
+        assert tok(bench.chat_text(cfg, tok, problem.prompt))["input_ids"] == ids
+    for p in problems[:200]:
+        assert tok(bench.chat_text(cfg, tok, p.prompt))["input_ids"] == data.math_prompt(
+            tok, p.prompt, data.read_template(template)
+        )
+
+
 @pytest.mark.cpu_numerics
 def test_engine_and_trainer_agree_before_and_after_a_refit_vllm(runs, path, tok):
     rows = metrics(runs["out"])

@@ -73,8 +73,9 @@ from transformers import (
     TrainerCallback,
 )
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository: train.py, eval_aime.py
 # run as a script: the core is one folder up
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(ROOT))
 
 import checkpoint
 import data
@@ -158,6 +159,15 @@ class BenchConfig:
     # so skipping would leave the update nothing to do), or the response's last number (reward.py's
     # --answer last-number), for both sides; responses forced to --new-tokens still mostly score 0
     answer: Literal["boxed", "last-number"] = "boxed"
+    # SmolLM2's prompts: "sums", the chat prompts above, every response --new-tokens long; or
+    # "additions", `make smollm2`'s workload (two-digit additions in a bare user turn,
+    # demo/smollm2-prompt.txt, the last-number reward whatever --answer says), each response
+    # ending at EOS or --new-tokens as in training, so rewards vary from group to group as they do
+    # in a run and --skip-zero-advantage has that run's share of uniform groups to skip
+    workload: Literal["sums", "additions"] = "sums"
+    # SmolLM2's weights for both sides: a model folder (a run's final/, say, whose rewards are those
+    # of that point in training); "" for the pretrained model
+    policy: str = ""
     # hf, vllm: train.py in float32 (its CPU default); hf-bf16: train.py with --dtype bfloat16 (bf16
     # engine weights, bf16 autocast in training). trl: TRL's GRPOTrainer in float32 with gradient
     # checkpointing off, like train.py (the same compute: hf's match); trl-bf16: the same in bf16
@@ -195,10 +205,19 @@ def model_for(name: str) -> str:
     return model.resolve(bases.TINY) if name == "tiny" else large_model()
 
 
-def chat_problems() -> list[data.Problem]:
+ADD_TEMPLATE = ROOT / "demo" / "smollm2-prompt.txt"  # --workload additions' prompt
+# and its learning rate, `make smollm2`'s, on both sides: at the default 2e-4 a trained policy
+# forgets how to add within a step, and every reward after it is 0
+ADD_LR = 3e-5
+
+
+def chat_problems(cfg: BenchConfig) -> list[data.Problem]:
     """SmolLM2's workload: the demo's training sums as math problems ("What is 3 + 9 + 4?", gold
     "16"), which train.py (--task math) and TRL (conversational prompts) both put through the chat
-    template with DeepScaleR's instruction (data.math_prompt)."""
+    template with DeepScaleR's instruction (data.math_prompt); or, --workload additions, the
+    two-digit additions of `make smollm2` ("What is 84 + 50?")."""
+    if cfg.workload == "additions":
+        return tasks.add_split()[0]
     train_set, _ = tasks.sum3_split()
     return [
         data.Problem(f"What is {p.prompt.rstrip('=').replace('+', ' + ')}?", p.answer)
@@ -206,17 +225,19 @@ def chat_problems() -> list[data.Problem]:
     ]
 
 
-def chat_text(tok, problem: str) -> str:
-    """data.math_prompt's prompt as text (its token ids are tok(this text)'s)."""
-    return tok.decode(data.math_prompt(tok, problem))
+def chat_text(cfg: BenchConfig, tok, problem: str) -> str:
+    """data.math_prompt's prompt as text (its token ids are tok(this text)'s), with
+    demo/smollm2-prompt.txt for --workload additions."""
+    template = ADD_TEMPLATE.read_text() if cfg.workload == "additions" else None
+    return tok.decode(data.math_prompt(tok, problem, template))
 
 
 def step_prompts(cfg: BenchConfig, steps: int, tok=None) -> list[list[str]]:
     """The prompts train.py's loop draws at each step (same stream, same seed); with SmolLM2's
     tokenizer (`tok`), its chat prompts."""
-    train_set = chat_problems() if tok is not None else tasks.sum3_split()[0]
+    train_set = chat_problems(cfg) if tok is not None else tasks.sum3_split()[0]
     stream = data.PromptStream(len(train_set), seed=0)
-    text = (lambda p: chat_text(tok, p)) if tok is not None else (lambda p: p)
+    text = (lambda p: chat_text(cfg, tok, p)) if tok is not None else (lambda p: p)
     return [[text(train_set[i].prompt) for i in stream.take(cfg.prompts)] for _ in range(steps)]
 
 
@@ -228,11 +249,16 @@ def run_ours(
     sequences."""
     torch.set_num_threads(os.cpu_count() or 1)
     tok = model.load_tokenizer(path)
-    extra, max_len = {}, 16 + cfg.new_tokens
+    extra, max_len, natural = {}, 16 + cfg.new_tokens, chat and cfg.workload == "additions"
     if chat:
-        problems = chat_problems()
-        max_len = max(len(data.math_prompt(tok, p.prompt)) for p in problems) + cfg.new_tokens
+        problems = chat_problems(cfg)
+        max_len = (
+            max(len(tok(chat_text(cfg, tok, p.prompt))["input_ids"]) for p in problems)
+            + cfg.new_tokens
+        )
         extra = dict(task="math", answer=cfg.answer, micro_batch_tokens=cfg.micro_batch * max_len)
+        if natural:
+            extra |= dict(answer="last-number", prompt_template=str(ADD_TEMPLATE), lr=ADD_LR)
     kind = engine_name.removesuffix("-bf16")
     dtype = "bfloat16" if engine_name.endswith("-bf16") else "float32"
     if kind == "vllm":
@@ -256,7 +282,7 @@ def run_ours(
             prompts_per_step=cfg.prompts,
             group_size=cfg.group_size,
             max_new_tokens=cfg.new_tokens,
-            min_new_tokens=cfg.new_tokens,
+            min_new_tokens=0 if natural else cfg.new_tokens,
             max_seq_len=max_len,
             eval_every=0,
             checkpoint_every=0,
@@ -280,9 +306,11 @@ def run_ours(
         r["time_step"] - sum(r[f"time_{k}"] for k in PHASES) for r in rows
     )
     n_seq = cfg.prompts * cfg.group_size
-    res["gen_tokens_per_s"] = n_seq * cfg.new_tokens / res["generate"]
-    # = new_tokens: the workload held
+    # = new_tokens unless --workload additions: the workload held
     res["response_len"] = statistics.mean(r["response_len_mean"] for r in rows)
+    res["gen_tokens_per_s"] = n_seq * res["response_len"] / res["generate"]
+    res["reward"] = statistics.mean(r["reward_mean"] for r in rows)
+    res["uniform"] = statistics.mean(r["zero_var_group_frac"] for r in rows)
     # the share of samples the update computed (1.0 unless --skip-zero-advantage)
     res["trained_frac"] = statistics.mean(r["trained_frac"] for r in rows)
     chat_tok = tok if chat else None
@@ -291,7 +319,7 @@ def run_ours(
     )
     res["prompt_len"] = prompt_len
     res["train_tokens_per_s"] = (
-        n_seq * (prompt_len + cfg.new_tokens) / (res["logprobs"] + res["update"])
+        n_seq * (prompt_len + res["response_len"]) / (res["logprobs"] + res["update"])
     )
     res["peak_gib"] = runtime.peak_memory_gib(torch.device("cpu"))
     res["wrapped_generate"], res["direct_generate"] = wrapper_vs_direct(
@@ -373,14 +401,23 @@ def run_trl(
         return {"error": f"TRL not installed ({err}); pip install trl==1.16.0"}
 
     torch.set_num_threads(os.cpu_count() or 1)
-    if chat:
+    natural = chat and cfg.workload == "additions"
+    if natural:  # the prompt as text, as train.py's --prompt-template makes it (no system prompt)
+        tok = model.load_tokenizer(path)
+        ds = datasets.Dataset.from_list(
+            [
+                {"prompt": chat_text(cfg, tok, p.prompt), "answer": p.answer}
+                for p in chat_problems(cfg)
+            ]
+        )
+    elif chat:
         ds = datasets.Dataset.from_list(
             [
                 {
                     "prompt": [{"role": "user", "content": f"{p.prompt} {data.INSTRUCTION}"}],
                     "answer": p.answer,
                 }
-                for p in chat_problems()
+                for p in chat_problems(cfg)
             ]
         )
     else:
@@ -390,6 +427,10 @@ def run_trl(
         )
 
     def exact(completions, answer, **_):
+        if natural:
+            return [
+                reward.math_reward(c, a, answer="last-number") for c, a in zip(completions, answer)
+            ]
         if chat:  # conversational: each completion is [{"role": "assistant", "content": text}]
             return [
                 reward.math_reward(c[0]["content"], a, answer=cfg.answer)
@@ -434,8 +475,11 @@ def run_trl(
             num_generations=cfg.group_size,
             max_completion_length=cfg.new_tokens,
             temperature=1.0,
-            generation_kwargs={"min_new_tokens": cfg.new_tokens},
-            learning_rate=2e-4,
+            generation_kwargs={} if natural else {"min_new_tokens": cfg.new_tokens},
+            # train.py's: constant after no warm-up, AdamW's weight decay 0.01
+            learning_rate=ADD_LR if natural else 2e-4,
+            lr_scheduler_type="constant" if natural else "linear",
+            weight_decay=0.01 if natural else 0.0,
             beta=0.0,
             num_iterations=1,
             use_cpu=True,
@@ -464,17 +508,28 @@ def run_trl(
             "mixed_precision": str(trainer.accelerator.mixed_precision),
             "gradient_checkpointing": args.gradient_checkpointing,
         }
+        # its logged means, per step (the first left out, as for the times)
+        logged = [h for h in trainer.state.log_history if "reward" in h][1:]
+        for key, name in (
+            ("response_len", "completions/mean_length"),
+            ("reward", "reward"),
+            ("uniform", "frac_reward_zero_std"),
+        ):
+            if logged and name in logged[0]:
+                config[key] = statistics.mean(h[name] for h in logged)
     times["step"] = [t - wait for t, wait in zip(times["step"], turns.waits, strict=True)]
     res = {k: statistics.median(v[1:]) for k, v in times.items()}
     res["steps"], res["generates"] = times["step"][1:], times["generate"][1:]
-    res["gen_tokens_per_s"] = n * cfg.new_tokens / res["generate"]
+    res = res | config
+    res["gen_tokens_per_s"] = n * res.get("response_len", cfg.new_tokens) / res["generate"]
     res["peak_gib"] = runtime.peak_memory_gib(torch.device("cpu"))
-    return res | config
+    return res
 
 
 def run_one(cfg: BenchConfig) -> None:
     engine_name, model_name = cfg.one.split(":")
-    path = model_for(model_name)  # built by main already: only a lookup
+    # built by main already: only a lookup
+    path = cfg.policy if model_name == "smollm2" and cfg.policy else model_for(model_name)
     steps = cfg.steps if model_name == "tiny" else cfg.large_steps
     turns = Turns(cfg.turns)
     chat = model_name == "smollm2"
@@ -533,7 +588,7 @@ def flops_table(results: dict, cfg: BenchConfig) -> list[str]:
     """SmolLM2 rows: the update's model FLOPs (3 passes: forward and backward) over its seconds, and
     against the float32 peak (and the bf16 one, for the bf16 rows)."""
     peaks = results.get(("smollm2", "matmul peak"))
-    if peaks is None:
+    if peaks is None:  # --workload additions: an update's tokens vary from step to step
         return []
     c = AutoConfig.from_pretrained(model_for("smollm2"))
     n = cfg.prompts * cfg.group_size
@@ -599,6 +654,10 @@ def table(results: dict, cfg: BenchConfig) -> str:
         + (
             f"; SmolLM2: chat prompts, micro-batches of {cfg.micro_batch} sequences, "
             f"{cfg.answer} reward"
+            if "smollm2" in cfg.models and cfg.workload == "sums"
+            else f"; SmolLM2: `make smollm2`'s additions ({cfg.policy or 'the pretrained model'}), "
+            f"responses ending at EOS or {cfg.new_tokens} tokens, micro-batches of "
+            f"{cfg.micro_batch} sequences, last-number reward"
             if "smollm2" in cfg.models
             else ""
         ),
@@ -646,6 +705,17 @@ def table(results: dict, cfg: BenchConfig) -> str:
     ]
     if trained:  # --skip-zero-advantage: what the update computed (TRL computes every sample)
         lines += ["Share of samples the update computed: " + ", ".join(trained) + ".", ""]
+    varied = [
+        f"{e} {r['reward']:.3f}, {r['uniform']:.2f}, {r['response_len']:.1f}"
+        for (m, e), r in results.items()
+        if m == "smollm2" and "uniform" in r and "reward" in r and "response_len" in r
+    ]
+    if varied and cfg.workload == "additions":  # each side's own samples: they differ
+        lines += [
+            "Mean reward, share of groups whose rewards were all equal, and mean response length "
+            "over the steps timed: " + "; ".join(varied) + ".",
+            "",
+        ]
     lines.append(
         "TRL's update column is its step minus generate and score (it has no refit: the same model "
         "generates and trains). hf, vllm, trl: float32; hf-bf16, trl-bf16: bf16 compute over "
@@ -669,6 +739,7 @@ def workload_flags(cfg: BenchConfig) -> list[str]:
     """The flags that make the workload, as each configuration's process is given them: all of
     them, or a process would run its default (a reward or skipping the table does not name)."""
     names = ("prompts", "group_size", "new_tokens", "steps", "large_steps", "micro_batch", "answer")
+    names += ("workload", "policy")
     flags = [x for k in names for x in (f"--{k.replace('_', '-')}", str(getattr(cfg, k)))]
     return flags + [
         "--skip-zero-advantage" if cfg.skip_zero_advantage else "--no-skip-zero-advantage"
@@ -783,6 +854,10 @@ def validate(cfg: BenchConfig) -> None:
                 f"{cfg.prompts * cfg.group_size} (TRL's gradient accumulation steps)",
             ),
             (writable(Path(cfg.out)), f"--out {cfg.out}: cannot be written"),
+            (
+                not cfg.policy or (Path(cfg.policy) / "config.json").is_file(),
+                f"--policy {cfg.policy}: not a model folder (no config.json in it)",
+            ),
         ]
     )
 
@@ -805,7 +880,8 @@ def main(cfg: BenchConfig) -> None:
         if model_name == "smollm2":
             bf16 = [e for e in cfg.engines if e.endswith("-bf16") or e == "trl-defaults"]
             rings = [[e for e in cfg.engines if e not in bf16], bf16]
-            results[("smollm2", "matmul peak")] = update_peaks(cfg)
+            if cfg.workload == "sums":
+                results[("smollm2", "matmul peak")] = update_peaks(cfg)
         if model_name == "25m":
             bf16 = ["hf-bf16", "trl-bf16"]
             rings = [
@@ -825,8 +901,6 @@ def main(cfg: BenchConfig) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # The 1.5B shape end to end: `python tools/bench.py shape`
-
-ROOT = Path(__file__).resolve().parents[1]  # the repository: train.py, eval_aime.py
 
 # Each rank's own peak resident memory. torchrun starts this (python -c RANK_PEAK PREFIX COMMAND...)
 # as each rank; it starts the rank's real command as its only child and, once that has exited,
