@@ -111,16 +111,18 @@ def recipe_setup(folder: str, stage: int) -> str:
 
 # The real model's set-up: `make smollm2`'s flags (the Makefile's SMOLLM2 line:
 # SmolLM2-135M-Instruct on two-digit additions in a bare user turn, the math reward with --answer
-# last-number, 16 prompts x 8 samples, 48 new tokens, lr 3e-5, held-out 64 problems x 4 samples
-# before and after), 8 steps instead of 20 so that a comparison over seeds fits on 2 cores; no
-# checkpoints (a run cut short starts again) and no final weights. docs/experiments.md has its
-# table. The prompt file is the repository's, wherever the harness is started from.
+# last-number, 16 prompts x 8 samples, 48 new tokens, lr 3e-5, dynamic sampling, held-out 64
+# problems x 4 samples before and after), 8 steps instead of 12 so that a comparison over seeds
+# fits on 2 cores; no checkpoints (a run cut short starts again) and no final weights.
+# docs/experiments.md has its table. The prompt file is the repository's, wherever the harness is
+# started from.
 def smollm2_setup(folder: str) -> str:
     template = shlex.quote(os.path.relpath(ROOT / "demo" / "smollm2-prompt.txt"))
     return (
         f"--model smollm2 --task math --answer last-number --data {folder}/data/train.jsonl "
         f"--val-data {folder}/data/heldout.jsonl --prompt-template {template} "
         "--prompts-per-step 16 --group-size 8 --max-new-tokens 48 --max-seq-len 160 --lr 3e-5 "
+        "--dynamic-sampling "
         "--micro-batch-tokens 1024 --steps 8 --eval-every 8 --eval-prompts 64 --eval-samples 4 "
         "--checkpoint-every 0 --no-save-final --no-plot"
     )
