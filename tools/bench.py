@@ -23,7 +23,10 @@ prompt: "What is 3 + 9 + 4? Let's think step by step ...", boxed-answer reward) 
 `--new-tokens` long on both sides, our update and TRL's over micro-batches of `--micro-batch`
 sequences (TRL: gradient accumulation, one optimizer step per generation batch, as ours). Its table
 adds the update's achieved FLOP/s against this CPU's float32 (and bf16) matmul peak, measured at the
-update's shapes before the runs.
+update's shapes before the runs. With `--workload additions` it runs `make smollm2`'s work instead
+(its additions, prompt, reward and learning rate, each response ending at EOS) on `--policy` (a
+run's final/), so that rewards vary as in that run and `--skip-zero-advantage` skips what it would
+skip there.
 
 `python tools/bench.py shape` runs the 1.5B shape end to end on CPU (the built-in `r1-shape`:
 R1-Distill-Qwen-1.5B's config.json with 2 layers and random weights) through the project's own
