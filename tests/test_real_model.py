@@ -195,7 +195,6 @@ def test_make_smollm2s_prompt_is_its_chat_templates_user_turn_without_the_system
         assert len(ids) < 30  # 57 with the system prompt and the instruction
 
 
-
 def test_benchs_additions_give_trl_the_prompts_train_py_trains_on(tok):
     # tools/bench.py --workload additions hands TRL each prompt as text, which TRL tokenizes again:
     # it must give the very ids train.py trains on with make smollm2's --prompt-template, or the
