@@ -202,14 +202,14 @@ def test_benchs_additions_give_trl_the_prompts_train_py_trains_on(tok):
     from tools import bench
 
     cfg = bench.BenchConfig(models=["smollm2"], workload="additions")
-    problems = bench.chat_problems(cfg)
+    problems, text = bench.chat_problems(cfg), bench.prompt_template(cfg)
     assert len(problems) == 8100 - 200 and problems[0].prompt.startswith("What is ")
     template = str(ROOT / "demo" / "smollm2-prompt.txt")
     task = math_task(prompt_template=template)
     for problem, ids in zip(task.train, task.train_prompts):
-        assert tok(bench.chat_text(cfg, tok, problem.prompt))["input_ids"] == ids
+        assert tok(bench.chat_text(tok, problem.prompt, text))["input_ids"] == ids
     for p in problems[:200]:
-        assert tok(bench.chat_text(cfg, tok, p.prompt))["input_ids"] == data.math_prompt(
+        assert tok(bench.chat_text(tok, p.prompt, text))["input_ids"] == data.math_prompt(
             tok, p.prompt, data.read_template(template)
         )
 

@@ -228,10 +228,14 @@ def chat_problems(cfg: BenchConfig) -> list[data.Problem]:
     ]
 
 
-def chat_text(cfg: BenchConfig, tok, problem: str) -> str:
-    """data.math_prompt's prompt as text (its token ids are tok(this text)'s), with
-    demo/smollm2-prompt.txt for --workload additions."""
-    template = ADD_TEMPLATE.read_text() if cfg.workload == "additions" else None
+def prompt_template(cfg: BenchConfig) -> str | None:
+    """SmolLM2's --prompt-template text: demo/smollm2-prompt.txt for --workload additions, else None
+    (DeepScaleR's chat prompt); read once per caller, not once per problem."""
+    return data.read_template(str(ADD_TEMPLATE)) if cfg.workload == "additions" else None
+
+
+def chat_text(tok, problem: str, template: str | None) -> str:
+    """data.math_prompt's prompt as text (its token ids are tok(this text)'s)."""
     return tok.decode(data.math_prompt(tok, problem, template))
 
 
@@ -240,7 +244,8 @@ def step_prompts(cfg: BenchConfig, steps: int, tok=None) -> list[list[str]]:
     tokenizer (`tok`), its chat prompts."""
     train_set = chat_problems(cfg) if tok is not None else tasks.sum3_split()[0]
     stream = data.PromptStream(len(train_set), seed=0)
-    text = (lambda p: chat_text(cfg, tok, p)) if tok is not None else (lambda p: p)
+    template = prompt_template(cfg) if tok is not None else None
+    text = (lambda p: chat_text(tok, p, template)) if tok is not None else (lambda p: p)
     return [[text(train_set[i].prompt) for i in stream.take(cfg.prompts)] for _ in range(steps)]
 
 
@@ -254,10 +259,9 @@ def run_ours(
     tok = model.load_tokenizer(path)
     extra, max_len, natural = {}, 16 + cfg.new_tokens, chat and cfg.workload == "additions"
     if chat:
-        problems = chat_problems(cfg)
+        problems, template = chat_problems(cfg), prompt_template(cfg)
         max_len = (
-            max(len(tok(chat_text(cfg, tok, p.prompt))["input_ids"]) for p in problems)
-            + cfg.new_tokens
+            max(len(data.math_prompt(tok, p.prompt, template)) for p in problems) + cfg.new_tokens
         )
         extra = dict(task="math", answer=cfg.answer, micro_batch_tokens=cfg.micro_batch * max_len)
         if natural:
@@ -406,10 +410,10 @@ def run_trl(
     torch.set_num_threads(os.cpu_count() or 1)
     natural = chat and cfg.workload == "additions"
     if natural:  # the prompt as text, as train.py's --prompt-template makes it (no system prompt)
-        tok = model.load_tokenizer(path)
+        tok, template = model.load_tokenizer(path), prompt_template(cfg)
         ds = datasets.Dataset.from_list(
             [
-                {"prompt": chat_text(cfg, tok, p.prompt), "answer": p.answer}
+                {"prompt": chat_text(tok, p.prompt, template), "answer": p.answer}
                 for p in chat_problems(cfg)
             ]
         )
@@ -430,15 +434,10 @@ def run_trl(
         )
 
     def exact(completions, answer, **_):
-        if natural:
-            return [
-                reward.math_reward(c, a, answer="last-number") for c, a in zip(completions, answer)
-            ]
-        if chat:  # conversational: each completion is [{"role": "assistant", "content": text}]
-            return [
-                reward.math_reward(c[0]["content"], a, answer=cfg.answer)
-                for c, a in zip(completions, answer)
-            ]
+        if chat:  # additions: text; sums, conversational: [{"role": "assistant", "content": text}]
+            texts = completions if natural else [c[0]["content"] for c in completions]
+            rule = "last-number" if natural else cfg.answer
+            return [reward.math_reward(t, a, answer=rule) for t, a in zip(texts, answer)]
         return [reward.exact_reward(c, a) for c, a in zip(completions, answer)]
 
     times = {"step": [], "generate": [], "score": []}
