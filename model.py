@@ -197,44 +197,58 @@ class HeadLogprob(torch.autograd.Function):
 
         log pi(y_t) = s[y_t] - log sum_v exp(s_v)      H = -sum_v pi_v log pi_v
 
-    Its backward is written out, d log pi(y_t) / d s = onehot(y_t) - pi, so that no [n, V] tensor
-    lives from forward to backward (it keeps hidden, the weight and log Z, and recomputes the logits
-    there: one matmul) and each [n, V] pass is done once, in place: a few passes over the logits
-    where autograd through logsumexp, gather and the division would run about three times as many,
-    and allocate as many [n, V] tensors. A frozen head (LoRA) gets no weight gradient computed."""
+    Its backward is written out, d log pi(y_t) / d s = onehot(y_t) - pi, each [n, V] pass done once
+    and in place: a few passes over the logits where autograd through logsumexp, gather and the
+    division would run about three times as many, and allocate as many [n, V] tensors. What lives
+    from forward to backward is chosen by `keep`: the unnormalized probabilities exp(s - max) [n, V]
+    (keep: backward is one pass over them), or only hidden, the weight and log Z, the logits
+    recomputed in backward (one more matmul), so that a micro-batch of many chunks never holds more
+    than one chunk's [n, V] at once. A frozen head (LoRA) gets no weight gradient computed."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, bf16: bool):
+    def forward(
+        ctx, hidden, weight, targets, temperature: float, with_entropy: bool, bf16: bool, keep: bool
+    ):
         s = head_logits(hidden, weight, bf16)  # [n, V]
         if temperature != 1.0:
             s.div_(temperature)
         m = s.amax(-1, keepdim=True)  # [n, 1]
         s.sub_(m)  # every exp below is at most 1
         logp = s.gather(-1, targets[:, None]).squeeze(-1)  # [n], less log Z below
-        p = s.exp() if with_entropy else s.exp_()  # unnormalized pi
+        # E_pi[s] Z = sum_v exp(s_v) s_v, a block of rows at a time: one [n, V] temporary would be
+        # fresh memory on every call, its pages faulted in at ~10x the cost of the exp itself
+        es = torch.zeros_like(logp)
+        for r in range(0, s.shape[0], 64) if with_entropy else ():
+            es[r : r + 64] = (s[r : r + 64].exp() * s[r : r + 64]).sum(-1)
+        p = s.exp_()  # unnormalized pi, in the logits' memory
         z = p.sum(-1)  # [n]
         log_z = z.log()
         logp = logp - log_z
         # H = log Z - E_pi[s]
-        entropy = log_z - p.mul_(s).sum(-1) / z if with_entropy else torch.zeros_like(logp)
-        ctx.save_for_backward(hidden, weight, targets, m.squeeze(-1) + log_z)
-        ctx.temperature, ctx.bf16 = temperature, bf16
+        entropy = log_z - es / z if with_entropy else torch.zeros_like(logp)
+        # keep: pi = p / z; else log Z of s, pi = exp(s - log Z)
+        kept = (p, z) if keep else (m.squeeze(-1) + log_z, None)
+        ctx.save_for_backward(hidden, weight, targets, *kept)
+        ctx.temperature, ctx.bf16, ctx.keep = temperature, bf16, keep
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, _):
-        hidden, weight, targets, logz = ctx.saved_tensors  # logz [n]: of s
         T = ctx.temperature
-        g = head_logits(hidden, weight, ctx.bf16)  # [n, V], in place from here on
-        if T != 1.0:
-            g.div_(T)
         # d logits = grad_logp (onehot(y_t) - pi) / T, as s = logits / T
-        scale = (grad_logp[:, None] / T).to(g.dtype)  # [n, 1]
-        g.sub_(logz[:, None]).exp_().mul_(-scale)
-        g.scatter_add_(-1, targets[:, None], scale)
+        scale = grad_logp[:, None] / T  # [n, 1]
+        hidden, weight, targets, a, b = ctx.saved_tensors
+        if ctx.keep:  # a: exp(s - max) [n, V], b: its row sums z [n]
+            g = a.mul_((-scale / b[:, None]).to(a.dtype))  # in place: backward runs once
+        else:  # a: log Z [n] of s
+            g = head_logits(hidden, weight, ctx.bf16)  # [n, V], in place from here on
+            if T != 1.0:
+                g.div_(T)
+            g.sub_(a[:, None]).exp_().mul_((-scale).to(g.dtype))
+        g.scatter_add_(-1, targets[:, None], scale.to(g.dtype))
         d_hidden, d_weight = head_grads(g, hidden, weight, ctx.bf16, ctx.needs_input_grad[1])
-        return d_hidden, d_weight, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None
 
 
 class LogprobModel(torch.nn.Module):
@@ -263,10 +277,12 @@ class LogprobModel(torch.nn.Module):
         row's end.
 
         Only the hidden states that predict response tokens go through the LM head, in chunks of
-        `chunk_tokens` positions. With grad enabled each chunk's logits are recomputed in backward
-        (HeadLogprob), so the float32 logits of the whole batch never exist at once: memory is
-        O(chunk_tokens x vocab), not O(B x T x vocab). Logits are divided by the sampling
-        temperature: these are the logprobs of the distribution that was sampled from.
+        `chunk_tokens` positions. With grad enabled and several chunks, each chunk's logits are
+        recomputed in backward (HeadLogprob), so the float32 logits of the whole batch never exist
+        at once: memory is O(chunk_tokens x vocab), not O(B x T x vocab). A batch of one chunk keeps
+        its probabilities for backward instead: the memory one chunk's logits take anyway, at the
+        forward's end and again at the backward's start, and one matmul less. Logits are divided by
+        the sampling temperature: these are the logprobs of the distribution that was sampled from.
         """
         B, L = input_ids.shape
         distributed.release_freed_memory()  # on CPU: the freed heap, once it has grown by a GiB
@@ -285,9 +301,10 @@ class LogprobModel(torch.nn.Module):
         w = self.lm.get_output_embeddings().weight  # [V, H]
         bf16 = bf16_head(h, w)
         logps, ents = [], []
+        keep = h.shape[0] <= chunk_tokens
         for s in range(0, h.shape[0], chunk_tokens):
             c = slice(s, s + chunk_tokens)
-            lp, en = HeadLogprob.apply(h[c], w, targets[c], temperature, with_entropy, bf16)
+            lp, en = HeadLogprob.apply(h[c], w, targets[c], temperature, with_entropy, bf16, keep)
             logps.append(lp)
             ents.append(en)
         out_dtype = torch.promote_types(hidden.dtype, torch.float32)

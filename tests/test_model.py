@@ -73,16 +73,20 @@ def test_chunked_logprobs_match_float64(tiny_path, tok, chunk, temperature):
 
 @pytest.mark.parametrize("with_entropy", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_gradient_matches_float64_reference(tiny_path, tok, with_entropy, temperature):
+@pytest.mark.parametrize("chunk", [2, 4096])
+def test_chunked_gradient_matches_float64_reference(
+    tiny_path, tok, with_entropy, temperature, chunk
+):
     """The chunked path, its LM head's backward written by hand (HeadLogprob), backpropagates the
     same gradient as autograd through full-batch logits (float64 model; HF keeps RoPE in float32),
-    for a loss that weighs every token differently. The entropy beside it (the update's metric) is
-    the same number and carries no graph: its softmax is not kept for a backward."""
+    for a loss that weighs every token differently: in chunks of 2 positions (each chunk's logits
+    recomputed in backward) and in one chunk (its probabilities kept from forward). The entropy
+    beside it (the update's metric) is the same number and carries no graph."""
     input_ids, am, start, T, resp_lens = random_batch(tok, seed=1)
     coef = torch.randn(len(resp_lens), T, generator=torch.Generator().manual_seed(0)).double()
     m = model.load_model(tiny_path).double()
     lp, ent = model.token_logprobs(
-        m, input_ids, am, start, T, temperature, chunk_tokens=2, with_entropy=with_entropy
+        m, input_ids, am, start, T, temperature, chunk_tokens=chunk, with_entropy=with_entropy
     )
     assert not ent.requires_grad
     (coef * lp).sum().backward()
@@ -165,18 +169,19 @@ def test_bf16_head_matches_float64_products_of_its_bf16_operands():
 
     targets = torch.randint(0, V, (n,), generator=g)
     coef = torch.randn(n, generator=g)
-    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-    lp, _ = model.HeadLogprob.apply(hh, ww, targets, 0.7, False, True)
-    (coef * lp).sum().backward()
     hb, wb = hb.requires_grad_(), wb.requires_grad_()
     want = torch.log_softmax(hb @ wb.t() / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
     (coef.double() * want).sum().backward()
-    torch.testing.assert_close(lp.double(), want.detach(), rtol=0, atol=1e-5)
-    # the logits' gradient is rounded to bf16 (as head_grads' products take it): each entry to ~3
-    # digits, the whole to well under 1%, where a wrong term (the temperature, the target's 1)
-    # would be off by the gradient's own size
-    for got, want in ((hh.grad, hb.grad), (ww.grad, wb.grad)):
-        assert (got.double() - want).norm() < 3e-3 * want.norm()
+    for keep in (False, True):  # the logits recomputed in backward, or the probabilities kept
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, _ = model.HeadLogprob.apply(hh, ww, targets, 0.7, False, True, keep)
+        (coef * lp).sum().backward()
+        torch.testing.assert_close(lp.double(), want.detach(), rtol=0, atol=1e-5)
+        # the logits' gradient is rounded to bf16 (as head_grads' products take it): each entry to
+        # ~3 digits, the whole to well under 1%, where a wrong term (the temperature, the target's
+        # 1) would be off by the gradient's own size
+        for got, ref in ((hh.grad, hb.grad), (ww.grad, wb.grad)):
+            assert (got.double() - ref).norm() < 3e-3 * ref.norm()
 
 
 def test_the_hf_engines_bf16_model_returns_float32_logits(tiny_path, tok):
