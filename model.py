@@ -17,6 +17,10 @@ What it does:
   grad, through the LM head with a hand-written backward (HeadLogprob). The head's logits are
   float32 from float32 operands on CPU and, on a GPU computing in bf16, from bf16 operands
   (head_logits), as vLLM's head computes them on each.
+- prompt_packs / shared-prompt rows: rows whose prompts are the same tokens (a group's samples) go
+  through the decoder as one row, the prompt once and each response after it, seeing only the
+  prompt and itself (pack_rows): the same logprobs and gradient as one row per sample, with the
+  prompt's positions computed once instead of once per sample.
 
 What it does not do: build the demos' base models (demo/bases.py), generation (rollout.py), or the
 loss (grpo.py).
@@ -251,6 +255,93 @@ class HeadLogprob(torch.autograd.Function):
         return d_hidden, d_weight, None, None, None, None, None
 
 
+# ----------------------------------------------------------------------------------------------
+# Rows that share a prompt
+
+
+def prompt_packs(
+    prompts: list[tuple[int, ...]], resp_lens: list[int], cap: int, pair_cost: float
+) -> list[list[int]]:
+    """Rows (indices) packed so that rows with the same prompt share it (pack_rows): each pack is
+    rows of one prompt, in order. A row joins its prompt's last pack while the pack stays within
+    `cap` tokens and the attention it adds costs no more than the prompt it saves: appending n
+    response tokens to a pack of prompt P and r response tokens computes at most 2 n r + n^2 more
+    (query, key) pairs, less the row's own (P + n)^2, and saves P tokens, each worth `pair_cost`
+    pairs (LogprobModel.pair_cost). So short responses pack (SmolLM2's 64 after 55 prompt tokens:
+    up to 22 a pack) and long ones do not (4,000 after 100 on a 1.5B model: one a pack, as
+    unpacked).
+    Packs come in the order of their first rows.
+    Example: prompts (1, 2), (1, 2), (3,), (1, 2), response lengths 3, 2, 1, 4, cap 9, pair_cost
+    100 -> [[0, 1], [2], [3]]: 2 + 3 + 2 = 7 tokens, and the fourth row's 4 more would make 11."""
+    packs: list[list[int]] = []
+    last: dict[tuple[int, ...], list] = {}  # prompt -> [its last pack, that pack's response tokens]
+    for i, (p, n) in enumerate(zip(prompts, resp_lens, strict=True)):
+        P, pack = len(p), last.get(p)
+        if pack is not None and P + pack[1] + n <= cap and 2 * n * pack[1] - P * P <= P * pair_cost:
+            pack[0].append(i)
+            pack[1] += n
+        else:
+            last[p] = [[i], n]
+            packs.append(last[p][0])
+    return packs
+
+
+def pair_cost(lm) -> float:
+    """How many (query, key) pairs of attention cost as much as one token through a decoder
+    layer's matmuls: 2 x its parameters FLOPs a token against 4 x hidden size a pair (q.k and the
+    weighted sum of v), forward and backward alike."""
+    layers = lm.get_decoder().layers
+    return sum(p.numel() for p in layers[0].parameters()) / (2 * lm.config.hidden_size)
+
+
+def can_pack(lm) -> bool:
+    """Whether the model takes pack_rows' layout: HF's SDPA or eager attention, which take a custom
+    4D mask and position ids, and no sliding window (the custom mask would not apply it)."""
+    c = lm.config
+    return (
+        c._attn_implementation in ("sdpa", "eager") and getattr(c, "sliding_window", None) is None
+    )
+
+
+def pack_rows(input_ids, attention_mask, resp_start, packs: list[list[int]]):
+    """The decoder's input for rows packed by prompt_packs: each pack one row, its prompt once,
+    then each of its rows' responses, with RoPE positions as in the row's own sequence and an
+    attention mask under which a response sees the prompt and its own earlier tokens, nothing else.
+
+    Example: a pack of two rows of prompt [p0, p1], responses [a0, a1] and [b0] ->
+      ids [p0, p1, a0, a1, b0]   positions [0, 1, 2, 3, 2]
+      mask (query down, key across): p0: p0; p1: p0 p1; a0: p0 p1 a0; a1: p0 p1 a0 a1; b0: p0 p1 b0
+    Returns ids [Bp, Lp], positions [Bp, Lp], mask [Bp, 1, Lp, Lp] (bool, True: attends), and for
+    each input row its pack and the packed column of its first response token. Padding past a
+    pack's end attends to the prompt (never to a response), so no row of the mask is empty."""
+    device, input_ids = input_ids.device, input_ids.cpu()  # built on the CPU, sent once
+    lens = attention_mask.sum(1).tolist()
+    starts = resp_start.tolist()
+    width = max(starts[p[0]] + sum(lens[i] - starts[i] for i in p) for p in packs)
+    ids = input_ids.new_zeros(len(packs), width)
+    pos = torch.zeros_like(ids)
+    seg = torch.full_like(ids, -1)  # 0: prompt, j + 1: the pack's j-th response, -1: padding
+    where, first = [0] * len(lens), [0] * len(lens)
+    for k, pack in enumerate(packs):
+        P = starts[pack[0]]
+        ids[k, :P] = input_ids[pack[0], :P]
+        pos[k, :P] = torch.arange(P)
+        seg[k, :P] = 0
+        c = P
+        for j, i in enumerate(pack):
+            n = lens[i] - P
+            ids[k, c : c + n] = input_ids[i, P : P + n]
+            pos[k, c : c + n] = torch.arange(P, P + n)
+            seg[k, c : c + n] = j + 1
+            where[i], first[i] = k, c
+            c += n
+    q = torch.arange(width)
+    causal = q[None, :] <= q[:, None]  # [Lp, Lp]: key <= query
+    mask = causal & ((seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))  # [Bp, Lp, Lp]
+    to = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
+    return to(ids, pos, mask[:, None], torch.tensor(where), torch.tensor(first))
+
+
 class LogprobModel(torch.nn.Module):
     """An HF causal LM whose forward returns the response tokens' logprobs instead of logits.
 
@@ -262,6 +353,8 @@ class LogprobModel(torch.nn.Module):
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
+        self.packs = can_pack(lm)  # whether rows that share a prompt can share it (pack_rows)
+        self.pair_cost = pair_cost(lm)  # prompt_packs' measure of a token against attention
 
     def forward(
         self,
@@ -272,9 +365,13 @@ class LogprobModel(torch.nn.Module):
         temperature: float = 1.0,
         chunk_tokens: int = 4096,
         with_entropy: bool = False,
+        packs: list[list[int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs [B, T] of the response tokens (and the policy's entropy there), zero past each
         row's end.
+
+        packs: rows of this batch that share a prompt, packed (prompt_packs; every row in one),
+        each pack one row of the decoder's input (pack_rows), where the model allows (can_pack).
 
         Only the hidden states that predict response tokens go through the LM head, in chunks of
         `chunk_tokens` positions. With grad enabled and several chunks, each chunk's logits are
@@ -286,18 +383,39 @@ class LogprobModel(torch.nn.Module):
         """
         B, L = input_ids.shape
         distributed.release_freed_memory()  # on CPU: the freed heap, once it has grown by a GiB
-        # [B, L, H]
-        hidden = self.lm.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask
-        ).last_hidden_state
+        if packs is not None and all(len(p) == 1 for p in packs):
+            packs = None  # no two rows share: one row each
+        if packs is not None and not self.packs:
+            raise ValueError("this model's attention takes no packed rows (model.can_pack)")
         # position resp_start + t - 1 predicts response token t
         t = torch.arange(resp_len, device=input_ids.device)  # [T]
         tgt_pos = resp_start[:, None] + t[None, :]  # [B, T]
         valid = (tgt_pos < L) & (attention_mask.gather(1, tgt_pos.clamp(max=L - 1)) > 0)  # [B, T]
         rows, cols = valid.nonzero(as_tuple=True)  # N valid (row, t) pairs
         pos = tgt_pos[rows, cols]  # [N]
-        h = hidden[rows, pos - 1]  # [N, H]
         targets = input_ids[rows, pos]  # [N]
+        decoder = self.lm.get_decoder()
+        if packs is None:
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            h = hidden[rows, pos - 1]  # [N, H]
+        else:
+            ids, positions, mask, where, first = pack_rows(
+                input_ids, attention_mask, resp_start, packs
+            )
+            if self.lm.config._attn_implementation == "eager":  # additive: 0 or -inf
+                w_dtype = self.lm.get_input_embeddings().weight.dtype
+                mask = torch.zeros(mask.shape, dtype=w_dtype, device=mask.device).masked_fill_(
+                    ~mask, torch.finfo(w_dtype).min
+                )
+            # [Bp, Lp, H]
+            hidden = decoder(
+                input_ids=ids, attention_mask=mask, position_ids=positions
+            ).last_hidden_state
+            # response token t of row r: predicted at its pack's column first[r] + t - 1, and
+            # token 0 of every row at the prompt's last position
+            where, first = where[rows], first[rows]  # [N]
+            col = torch.where(cols == 0, resp_start[rows] - 1, first + cols - 1)  # [N]
+            h = hidden[where, col]  # [N, H]
         w = self.lm.get_output_embeddings().weight  # [V, H]
         bf16 = bf16_head(h, w)
         logps, ents = [], []
@@ -325,10 +443,18 @@ def token_logprobs(
     temperature=1.0,
     chunk_tokens=4096,
     with_entropy=False,
+    packs=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """LogprobModel's forward for an HF model or a LogprobModel (see there for shapes and
-    memory)."""
+    """LogprobModel's forward for an HF model or a LogprobModel (see there for shapes, memory and
+    shared prompts)."""
     m = model if isinstance(model, LogprobModel) else LogprobModel(model)
     return m(
-        input_ids, attention_mask, resp_start, resp_len, temperature, chunk_tokens, with_entropy
+        input_ids,
+        attention_mask,
+        resp_start,
+        resp_len,
+        temperature,
+        chunk_tokens,
+        with_entropy,
+        packs,
     )

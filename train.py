@@ -122,6 +122,11 @@ class Config:
     # are the same, in less time (the loss's normalizers still count them); off: computed anyway.
     # Only while --kl-beta is 0: the KL term does not vanish with the advantage
     skip_zero_advantage: bool = True
+    # a group's samples share their prompt's tokens: the trainer's forward and backward compute
+    # them once per pack of samples (one row: the prompt, then each response seeing only the
+    # prompt and itself; model.pack_rows), not once per sample; the same logprobs and gradient in
+    # fewer tokens. Packs stay within --micro-batch-tokens. Off: one row per sample
+    share_prompt: bool = True
     # evaluation and progress
     eval_prompts: int = 200  # held-out prompts evaluated
     # also bars for each step's rollout, training and evaluation (long GPU steps)
@@ -463,6 +468,8 @@ class Batch:
     # [N, T] the trainer's, before the update (None: the update's own forward)
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None  # [N, T] the frozen start model's (--kl-beta > 0)
+    # rows (by place) that share a prompt, each pack one row of the forward (micro_batches)
+    packs: list[list[int]] | None = None
 
     @property
     def T(self) -> int:  # the longest response of these rows
@@ -574,15 +581,35 @@ def make_batch(
     )
 
 
-def micro_batches(b: Batch, rows: list[int], token_budget: int) -> list[Batch]:
+def micro_batches(b: Batch, rows: list[int], token_budget: int, share: float | None) -> list[Batch]:
     """`rows` of b in micro-batches whose padded tokens stay within the budget
     (distributed.micro_batches: longest first), each trimmed to its own rows, and as many on every
     rank: a rank with fewer runs b.stand_in() in place of each it lacks (FSDP's collectives need the
-    same passes on every rank). A collective."""
-    return [
-        b.select(r) if r else b.stand_in()
-        for r in distributed.micro_batches(b.lengths, rows, token_budget)
-    ]
+    same passes on every rank). A collective. `share` (the model's pair_cost, None: off): rows that
+    share a prompt go in packs of at most the budget's tokens (model.prompt_packs), each a row of
+    the forward counted as its prompt plus its responses; a micro-batch holds whole packs
+    (Batch.packs)."""
+    units, cost = [[r] for r in rows], [b.lengths[r] for r in rows]
+    if share is not None:
+        prompts = [tuple(b.input_ids[r, : b.resp_start[r]].tolist()) for r in rows]
+        resp = [b.lengths[r] - int(b.resp_start[r]) for r in rows]
+        packs = model.prompt_packs(prompts, resp, token_budget, share)
+        units = [[rows[i] for i in p] for p in packs]
+        cost = [len(prompts[p[0]]) + sum(resp[i] for i in p) for p in packs]
+    out = []
+    for us in distributed.micro_batches(cost, list(range(len(units))), token_budget):
+        mb = b.select([r for u in us for r in units[u]]) if us else b.stand_in()
+        if share is not None and us:  # each pack's rows by their place in mb
+            at = iter(range(len(mb.rows)))
+            mb = replace(mb, packs=[[next(at) for _ in units[u]] for u in us])
+        out.append(mb)
+    return out
+
+
+def shares(m, cfg: Config) -> float | None:
+    """Whether a group's samples share their prompt in the forward (--share-prompt, where the
+    model's attention allows it: model.can_pack): micro_batches' `share`, else None."""
+    return m.pair_cost if cfg.share_prompt and m.packs else None
 
 
 def logprobs(m, mb: Batch, cfg: Config, device, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -598,6 +625,7 @@ def logprobs(m, mb: Batch, cfg: Config, device, grad: bool) -> tuple[torch.Tenso
             cfg.temperature,
             cfg.run.logprob_chunk_tokens,
             with_entropy=grad,
+            packs=mb.packs,
         )
 
 
@@ -624,7 +652,7 @@ def old_logprobs(policy, ref, b: Batch, cfg: Config, device) -> Batch:
 
     def pass_over(m, rows) -> torch.Tensor:  # [N, T], 0 in rows not passed over
         out = torch.zeros_like(b.gen_logp)
-        for mb in micro_batches(b, rows, cfg.run.micro_batch_tokens):
+        for mb in micro_batches(b, rows, cfg.run.micro_batch_tokens, shares(m, cfg)):
             out[mb.rows, : mb.T] = logprobs(m, mb.to(device), cfg, device, grad=False)[0].cpu()
         return out
 
@@ -666,7 +694,8 @@ def update_policy(
         work = trained_rows(b, rows, cfg)  # those whose loss term can be non-zero
         # a minibatch with nothing to train on anywhere still steps AdamW (its moments and weight
         # decay move the weights on a zero gradient): one stand-in pass gives every rank that zero
-        micro = micro_batches(b, work, cfg.run.micro_batch_tokens) or [b.stand_in()]
+        budget, share = cfg.run.micro_batch_tokens, shares(policy, cfg)
+        micro = micro_batches(b, work, budget, share) or [b.stand_in()]
         # the skipped rows' loss tokens count where they would have (clip fractions: A = 0 clips
         # nothing)
         upd.loss.tokens += float(b.loss_mask[sorted(set(rows) - set(work))].sum())

@@ -361,8 +361,16 @@ SKIPS = {
                          {"dynamic_sampling": True}),
     # nothing to learn anywhere: AdamW still steps (weight decay moves every weight)
     "all-uniform": (12, 2, 1e-3, "adamw", "ppo", 0, "uniform", {"weight_decay": 0.1}),
+    # --no-share-prompt: one row per sample (SHARED: the same update as its shared twin's)
+    "sgd-token-level-unshared": (10_000, 1, 1.0, "sgd", "ppo", 0, "rank1-uniform",
+                                 {"share_prompt": False}),
+    "lora-unshared": (40, 2, 1e-3, "adamw", "ppo", 2, "graded", {"share_prompt": False}),
+    "lora-shared": (40, 2, 1e-3, "adamw", "ppo", 2, "graded", {}),
 }
 # fmt: on
+# a case whose packs hold several samples of a prompt (--share-prompt, the default), and its twin
+# with one row per sample
+SHARED = {"sgd-token-level": "sgd-token-level-unshared", "lora-shared": "lora-unshared"}
 
 
 @pytest.fixture(scope="module")
@@ -429,3 +437,18 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(skips, tiny_path, ca
         assert moved > 0
     else:
         assert moved > 1e-5  # the update really changed the weights
+
+
+@pytest.mark.parametrize("case", list(SHARED))
+def test_sharing_a_prompt_gives_the_same_update(skips, case):
+    """--share-prompt (model.pack_rows: a prompt's samples one row of the forward, the prompt
+    computed once) and one row per sample give the same weights in float64, at one and two ranks,
+    skipping or not; unclipped SGD shows a gradient off by any factor."""
+    lr = SKIPS[case][2]
+    for n in (1, 2):
+        for how in ("skip", "full"):
+            a = torch.load(skips[n] / f"{case}.{how}.pt")
+            b = torch.load(skips[n] / f"{SHARED[case]}.{how}.pt")
+            assert a.keys() == b.keys()
+            for k, w in b.items():
+                assert (a[k] - w).abs().max().item() <= same_update_tolerance(lr), (n, how, k)

@@ -100,6 +100,66 @@ def test_chunked_gradient_matches_float64_reference(
         torch.testing.assert_close(ent.detach(), want_ent.detach(), atol=1e-5, rtol=1e-5)
 
 
+def shared_prompt_batch(tok, seed=3):
+    """Rows as a step's groups make them: three prompts, each with several samples (one response
+    empty), right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for p, lens in [("1+2+3=", [3, 0, 5, 2]), ("9+9+9=", [1, 4]), ("0+0+1=", [2])]:
+        for n in lens:
+            ids = tok(p)["input_ids"] + torch.randint(4, len(tok), (n,), generator=g).tolist()
+            rows.append((ids, len(ids) - n))
+    L = max(len(r) for r, _ in rows)
+    input_ids = torch.full((len(rows), L), tok.pad_token_id)
+    am = torch.zeros(len(rows), L, dtype=torch.long)
+    for i, (r, _) in enumerate(rows):
+        input_ids[i, : len(r)] = torch.tensor(r)
+        am[i, : len(r)] = 1
+    resp_lens = [len(r) - s for r, s in rows]
+    return input_ids, am, torch.tensor([s for _, s in rows]), max(resp_lens), resp_lens
+
+
+def test_prompt_packs_share_a_prompt_within_the_cap():
+    a, b = (1, 2), (3,)
+    assert model.prompt_packs([a, a, b, a], [3, 2, 1, 4], 9, 100) == [[0, 1], [2], [3]]
+    assert model.prompt_packs([a, a, b, a], [3, 2, 1, 4], 11, 100) == [[0, 1, 3], [2]]
+    assert model.prompt_packs([a, a], [20, 1], 9, 100) == [[0], [1]]  # too long alone: its own
+    # attention: 2 x 3 x 3 - 4 = 14 pairs more against 2 x 6 saved: no; x 7: yes
+    assert model.prompt_packs([a, a], [3, 3], 100, 6) == [[0], [1]]
+    assert model.prompt_packs([a, a], [3, 3], 100, 7) == [[0, 1]]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("pack_tokens", [12, 10_000])
+def test_shared_prompts_give_the_float64_logprobs_and_gradient(tiny_path, tok, attn, pack_tokens):
+    """Rows that share a prompt, packed into one decoder row each (the prompt once, each response
+    seeing only the prompt and itself): the logprobs, entropy and gradient of a loss that weighs
+    every token differently equal autograd through each row's own full logits in float64. 12 tokens
+    splits the first prompt's samples over packs; 10,000 packs each prompt's samples together. The
+    decoder sees fewer tokens than the rows hold: the prompt is computed once per pack."""
+    input_ids, am, start, T, resp_lens = shared_prompt_batch(tok)
+    coef = torch.randn(len(resp_lens), T, generator=torch.Generator().manual_seed(0)).double()
+    m = model.load_model(tiny_path).double()
+    m.set_attn_implementation(attn)
+    seen = []
+    m.model.embed_tokens.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape))
+    prompts = [tuple(r[:s]) for r, s in zip(input_ids.tolist(), start.tolist())]
+    packs = model.prompt_packs(prompts, resp_lens, pack_tokens, 1e9)
+    lp, ent = model.token_logprobs(
+        m, input_ids, am, start, T, 0.7, 4096, with_entropy=True, packs=packs
+    )
+    (coef * lp).sum().backward()
+    got = torch.cat([p.grad.flatten() for p in m.parameters()])
+    assert len(packs) < len(resp_lens) and seen == [torch.Size([len(packs), seen[0][1]])]
+    m_ref = model.load_model(tiny_path)
+    want_lp, want_ent = reference(m_ref, input_ids, am, start, T, resp_lens, 0.7)
+    (coef * want_lp).sum().backward()
+    want = torch.cat([p.grad.flatten() for p in m_ref.parameters()])
+    torch.testing.assert_close(lp.detach(), want_lp.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, want_ent.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
 def test_tiny_tokenizer_survives_save_and_load(tiny_path, tok):
     """Loaded from disk (as the trainer and vLLM load it) it encodes and decodes exactly like the
     one built."""

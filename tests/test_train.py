@@ -135,6 +135,34 @@ def test_micro_batches_cover_every_row_once_within_budget():
             assert len(mb) == 1 or len(mb) * max(lengths[r] for r in mb) <= budget
 
 
+def test_shared_prompt_micro_batches_hold_whole_packs_within_budget(tok):
+    """--share-prompt: every row lands in one pack of one micro-batch, a pack's rows share their
+    prompt, and each micro-batch's packs, padded to its longest (prompt + responses), stay within
+    the token budget unless one row alone is over it."""
+    rng = random.Random(1)
+    prompts = [tok(p)["input_ids"] for p in ("1+2+3=", "9+9+9=", "12+0+7=", "1+1+1=")]
+    samples = [
+        rollout.Sample(i, [5] * n, [-1.0] * n, False)
+        for i in range(4)
+        for n in [rng.randint(0, 40) for _ in range(8)]
+    ]
+    b = train.make_batch(prompts, samples, torch.zeros(32), False, tok.pad_token_id)
+    rows = list(range(0, 32, 3))
+    for budget in (1, 30, 100, 10**6):
+        mbs = train.micro_batches(b, rows, budget, share=1e9)
+        assert sorted(r for mb in mbs for r in mb.rows) == rows
+        for mb in mbs:
+            assert sorted(i for p in mb.packs for i in p) == list(range(len(mb.rows)))
+            sizes = []
+            for p in mb.packs:
+                assert len({samples[mb.rows[i]].prompt_idx for i in p}) == 1
+                resp = [mb.lengths[i] - int(mb.resp_start[i]) for i in p]
+                sizes.append(int(mb.resp_start[p[0]]) + sum(resp))
+            assert len(sizes) * max(sizes) <= budget or len(mb.rows) == 1
+        if budget == 10**6:  # everything fits: one micro-batch, one pack per prompt
+            assert len(mbs) == 1 and len(mbs[0].packs) == 4
+
+
 def test_bad_flags_fail_with_one_line_before_any_model_loads(monkeypatch, tmp_path):
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the config was validated")
@@ -345,7 +373,7 @@ def test_a_stand_in_micro_batch_is_two_tokens_whatever_the_batch(tok):
         rollout.Sample(1, [6, 2], [-1.0, -1.0], False),
     ]
     b = train.make_batch(prompts, samples, torch.tensor([1.0, -1.0]), False, 0)
-    one, stand_in = train.micro_batches(b, [1], token_budget=10**6)[0], b.stand_in()
+    one, stand_in = train.micro_batches(b, [1], 10**6, share=None)[0], b.stand_in()
     # trimmed to its own row
     assert one.rows == [1] and one.input_ids.shape == (1, 4) and one.T == 2
     assert stand_in.input_ids.shape == (1, 2) and stand_in.T == 1 and stand_in.rows == []

@@ -158,6 +158,10 @@ class BenchConfig:
     # computes every sample); on, samples whose advantage is 0 cost no pass (the tiny and 25M models
     # score 0 everywhere: their update would then cost almost nothing)
     skip_zero_advantage: bool = False
+    # train.py's --share-prompt (on by default, as there): a group's samples share their prompt's
+    # tokens in our forward and backward (the same logprobs and gradient in fewer FLOPs; TRL
+    # computes the prompt once per sample); off, our update does TRL's FLOPs too
+    share_prompt: bool = True
     # SmolLM2's reward: DeepScaleR's boxed answer (the model seldom boxes: nearly every reward is 0,
     # so skipping would leave the update nothing to do), or the response's last number (reward.py's
     # --answer last-number), for both sides; responses forced to --new-tokens still mostly score 0
@@ -298,6 +302,7 @@ def run_ours(
             quiet=True,
             out_dir=tmp,
             skip_zero_advantage=cfg.skip_zero_advantage,
+            share_prompt=cfg.share_prompt,
             **extra,
         )
         # [0]: the step-0 record
@@ -593,23 +598,29 @@ def flops_table(results: dict, cfg: BenchConfig) -> list[str]:
     if peaks is None:  # --workload additions: an update's tokens vary from step to step
         return []
     c = AutoConfig.from_pretrained(model_for("smollm2"))
-    n = cfg.prompts * cfg.group_size
+    n, G = cfg.prompts * cfg.group_size, cfg.group_size
     model_flops = 3 * n * forward_flops(c, peaks["seq"], peaks["resp"])
+    # --share-prompt: each group one row of the prompt and its G responses (model.prompt_packs
+    # packs all of them at these lengths), its attention counted over that row's lower triangle
+    prompt = peaks["seq"] - peaks["resp"]
+    shared_flops = 3 * (n // G) * forward_flops(c, prompt + G * peaks["resp"], G * peaks["resp"])
     f32, bf16 = peaks["float32"]["mix"], peaks.get("bfloat16", {}).get("mix")
     lines = [
         "",
         f"SmolLM2's update: {n} sequences of {peaks['seq']:.0f} tokens ({peaks['resp']:.0f} "
-        "response), "
-        f"micro-batches of {min(cfg.micro_batch, n)}, {model_flops / 1e12:.2f} TFLOP (forward + "
-        "backward, "
-        "6 x parameters x tokens plus attention and the LM head over the responses). Matmul peak "
-        "at its shapes, "
-        f"torch.matmul on all {os.cpu_count()} cores: float32 {f32 / 1e9:.1f} GFLOP/s"
-        + (f", bf16 {bf16 / 1e9:.1f} GFLOP/s" if bf16 else "")
-        + ".",
+        f"response), micro-batches of {min(cfg.micro_batch, n)} sequences' tokens, "
+        f"{model_flops / 1e12:.2f} TFLOP (forward + backward, 6 x parameters x tokens plus "
+        "attention and the LM head over the responses); "
+        + (
+            f"ours with --share-prompt {shared_flops / 1e12:.2f} TFLOP (each group's prompt once). "
+            if cfg.share_prompt
+            else "ours too (--no-share-prompt). "
+        )
+        + f"Matmul peak at its shapes, torch.matmul on all {os.cpu_count()} cores: float32 "
+        f"{f32 / 1e9:.1f} GFLOP/s" + (f", bf16 {bf16 / 1e9:.1f} GFLOP/s" if bf16 else "") + ".",
         "",
-        "| engine | update s | achieved GFLOP/s | / float32 peak | / bf16 peak |",
-        "|---|---|---|---|---|",
+        "| engine | update s | TFLOP | achieved GFLOP/s | / float32 peak | / bf16 peak |",
+        "|---|---|---|---|---|---|",
     ]
     for (model_name, engine_name), r in results.items():
         if (
@@ -619,10 +630,16 @@ def flops_table(results: dict, cfg: BenchConfig) -> list[str]:
             or not r.get("update")
         ):
             continue
-        rate = model_flops / r["update"]
+        flops = (
+            shared_flops
+            if cfg.share_prompt and not engine_name.startswith("trl")
+            else (model_flops)
+        )
+        rate = flops / r["update"]
         half = engine_name.endswith("bf16") or engine_name == "trl-defaults"
         lines.append(
-            f"| {engine_name} | {r['update']:.3f} | {rate / 1e9:.1f} | {rate / f32:.0%} | "
+            f"| {engine_name} | {r['update']:.3f} | {flops / 1e12:.2f} | {rate / 1e9:.1f} | "
+            f"{rate / f32:.0%} | "
             f"{f'{rate / bf16:.0%}' if half and bf16 else '-'} |"
         )
     lines.append("")
@@ -744,7 +761,8 @@ def workload_flags(cfg: BenchConfig) -> list[str]:
     names += ("workload", "policy")
     flags = [x for k in names for x in (f"--{k.replace('_', '-')}", str(getattr(cfg, k)))]
     return flags + [
-        "--skip-zero-advantage" if cfg.skip_zero_advantage else "--no-skip-zero-advantage"
+        "--skip-zero-advantage" if cfg.skip_zero_advantage else "--no-skip-zero-advantage",
+        "--share-prompt" if cfg.share_prompt else "--no-share-prompt",
     ]
 
 
