@@ -600,10 +600,20 @@ def flops_table(results: dict, cfg: BenchConfig) -> list[str]:
     c = AutoConfig.from_pretrained(model_for("smollm2"))
     n, G = cfg.prompts * cfg.group_size, cfg.group_size
     model_flops = 3 * n * forward_flops(c, peaks["seq"], peaks["resp"])
-    # --share-prompt: each group one row of the prompt and its G responses (model.prompt_packs
-    # packs all of them at these lengths), its attention counted over that row's lower triangle
-    prompt = peaks["seq"] - peaks["resp"]
-    shared_flops = 3 * (n // G) * forward_flops(c, prompt + G * peaks["resp"], G * peaks["resp"])
+    # --share-prompt: each group in the packs model.prompt_packs makes of it (a row of the prompt
+    # and some of its responses), each pack's attention counted over its lower triangle
+    prompt, resp = peaks["seq"] - peaks["resp"], peaks["resp"]
+    with torch.device("meta"):  # the layer's shapes only, for pair_cost
+        lm = AutoModelForCausalLM.from_config(c)
+    packs = model.prompt_packs(
+        [(0,) * round(prompt)] * G,
+        [round(resp)] * G,
+        cfg.micro_batch * round(peaks["seq"]),
+        model.pair_cost(lm),
+    )
+    shared_flops = (
+        3 * (n // G) * sum(forward_flops(c, prompt + len(p) * resp, len(p) * resp) for p in packs)
+    )
     f32, bf16 = peaks["float32"]["mix"], peaks.get("bfloat16", {}).get("mix")
     lines = [
         "",
@@ -612,7 +622,8 @@ def flops_table(results: dict, cfg: BenchConfig) -> list[str]:
         f"{model_flops / 1e12:.2f} TFLOP (forward + backward, 6 x parameters x tokens plus "
         "attention and the LM head over the responses); "
         + (
-            f"ours with --share-prompt {shared_flops / 1e12:.2f} TFLOP (each group's prompt once). "
+            f"ours with --share-prompt {shared_flops / 1e12:.2f} TFLOP (each group in packs of "
+            f"{', '.join(str(len(p)) for p in packs)} responses, each pack's prompt once). "
             if cfg.share_prompt
             else "ours too (--no-share-prompt). "
         )
@@ -630,11 +641,8 @@ def flops_table(results: dict, cfg: BenchConfig) -> list[str]:
             or not r.get("update")
         ):
             continue
-        flops = (
-            shared_flops
-            if cfg.share_prompt and not engine_name.startswith("trl")
-            else (model_flops)
-        )
+        ours = not engine_name.startswith("trl")
+        flops = shared_flops if cfg.share_prompt and ours else model_flops
         rate = flops / r["update"]
         half = engine_name.endswith("bf16") or engine_name == "trl-defaults"
         lines.append(
