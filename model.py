@@ -353,7 +353,7 @@ class LogprobModel(torch.nn.Module):
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
-        self.packs = can_pack(lm)  # whether rows that share a prompt can share it (pack_rows)
+        self.packable = can_pack(lm)  # whether rows that share a prompt can share it (pack_rows)
         self.pair_cost = pair_cost(lm)  # prompt_packs' measure of a token against attention
 
     def forward(
@@ -385,7 +385,7 @@ class LogprobModel(torch.nn.Module):
         distributed.release_freed_memory()  # on CPU: the freed heap, once it has grown by a GiB
         if packs is not None and all(len(p) == 1 for p in packs):
             packs = None  # no two rows share: one row each
-        if packs is not None and not self.packs:
+        if packs is not None and not self.packable:
             raise ValueError("this model's attention takes no packed rows (model.can_pack)")
         # position resp_start + t - 1 predicts response token t
         t = torch.arange(resp_len, device=input_ids.device)  # [T]

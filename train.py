@@ -609,7 +609,7 @@ def micro_batches(b: Batch, rows: list[int], token_budget: int, share: float | N
 def shares(m, cfg: Config) -> float | None:
     """Whether a group's samples share their prompt in the forward (--share-prompt, where the
     model's attention allows it: model.can_pack): micro_batches' `share`, else None."""
-    return m.pair_cost if cfg.share_prompt and m.packs else None
+    return m.pair_cost if cfg.share_prompt and m.packable else None
 
 
 def logprobs(m, mb: Batch, cfg: Config, device, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:

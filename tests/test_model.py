@@ -21,12 +21,13 @@ def test_tiny_base_is_a_real_hf_checkpoint(tiny_path):
     assert ids[0] == tok.bos_token_id and tok.decode(ids, skip_special_tokens=True) == "3+4+5="
 
 
-def random_batch(tok, seed=0):
+def random_batch(tok, seed=0, rows_spec=None):
+    """Right-padded rows of a prompt and n random response tokens each, for (prompt, n) in
+    rows_spec (default: four prompts, one response empty)."""
     g = torch.Generator().manual_seed(seed)
-    prompts = ["1+2+3=", "9+9+9=", "0+0+1=", "5+5+0="]
-    resp_lens = [3, 1, 0, 5]  # includes an empty response
+    spec = rows_spec or [("1+2+3=", 3), ("9+9+9=", 1), ("0+0+1=", 0), ("5+5+0=", 5)]
     rows = []
-    for p, n in zip(prompts, resp_lens):
+    for p, n in spec:
         ids = tok(p)["input_ids"] + torch.randint(4, len(tok), (n,), generator=g).tolist()
         rows.append((ids, len(ids) - n))
     L = max(len(r) for r, _ in rows)
@@ -36,6 +37,7 @@ def random_batch(tok, seed=0):
         input_ids[i, : len(r)] = torch.tensor(r)
         am[i, : len(r)] = 1
     start = torch.tensor([s for _, s in rows])
+    resp_lens = [n for _, n in spec]
     return input_ids, am, start, max(resp_lens), resp_lens
 
 
@@ -103,20 +105,8 @@ def test_chunked_gradient_matches_float64_reference(
 def shared_prompt_batch(tok, seed=3):
     """Rows as a step's groups make them: three prompts, each with several samples (one response
     empty), right-padded."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for p, lens in [("1+2+3=", [3, 0, 5, 2]), ("9+9+9=", [1, 4]), ("0+0+1=", [2])]:
-        for n in lens:
-            ids = tok(p)["input_ids"] + torch.randint(4, len(tok), (n,), generator=g).tolist()
-            rows.append((ids, len(ids) - n))
-    L = max(len(r) for r, _ in rows)
-    input_ids = torch.full((len(rows), L), tok.pad_token_id)
-    am = torch.zeros(len(rows), L, dtype=torch.long)
-    for i, (r, _) in enumerate(rows):
-        input_ids[i, : len(r)] = torch.tensor(r)
-        am[i, : len(r)] = 1
-    resp_lens = [len(r) - s for r, s in rows]
-    return input_ids, am, torch.tensor([s for _, s in rows]), max(resp_lens), resp_lens
+    groups = [("1+2+3=", [3, 0, 5, 2]), ("9+9+9=", [1, 4]), ("0+0+1=", [2])]
+    return random_batch(tok, seed, [(p, n) for p, lens in groups for n in lens])
 
 
 def test_prompt_packs_share_a_prompt_within_the_cap():
