@@ -18,9 +18,10 @@ What it does:
   float32 from float32 operands on CPU and, on a GPU computing in bf16, from bf16 operands
   (head_logits), as vLLM's head computes them on each.
 - prompt_packs / shared-prompt rows: rows whose prompts are the same tokens (a group's samples) go
-  through the decoder as one row, the prompt once and each response after it, seeing only the
-  prompt and itself (pack_rows): the same logprobs and gradient as one row per sample, with the
-  prompt's positions computed once instead of once per sample.
+  through the decoder as one row, the prompt once and each response after it (pack_rows), and
+  attention runs on each sample's own prompt and response (packed_attention, in place of HF's
+  SDPA): the same logprobs and gradient as one row per sample, with the prompt's tokens through
+  the layers' matmuls once instead of once per sample.
 
 What it does not do: build the demos' base models (demo/bases.py), generation (rollout.py), or the
 loss (grpo.py).
@@ -30,7 +31,14 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 import distributed
 import lora
@@ -259,25 +267,17 @@ class HeadLogprob(torch.autograd.Function):
 # Rows that share a prompt
 
 
-def prompt_packs(
-    prompts: list[tuple[int, ...]], resp_lens: list[int], cap: int, pair_cost: float
-) -> list[list[int]]:
+def prompt_packs(prompts: list[tuple[int, ...]], resp_lens: list[int], cap: int) -> list[list[int]]:
     """Rows (indices) packed so that rows with the same prompt share it (pack_rows): each pack is
-    rows of one prompt, in order. A row joins its prompt's last pack while the pack stays within
-    `cap` tokens and the attention it adds costs no more than the prompt it saves: appending n
-    response tokens to a pack of prompt P and r response tokens computes at most 2 n r + n^2 more
-    (query, key) pairs, less the row's own (P + n)^2, and saves P tokens, each worth `pair_cost`
-    pairs (LogprobModel.pair_cost). So short responses pack (SmolLM2's 64 after 55 prompt tokens:
-    up to 22 a pack) and long ones do not (4,000 after 100 on a 1.5B model: one a pack, as
-    unpacked).
-    Packs come in the order of their first rows.
-    Example: prompts (1, 2), (1, 2), (3,), (1, 2), response lengths 3, 2, 1, 4, cap 9, pair_cost
-    100 -> [[0, 1], [2], [3]]: 2 + 3 + 2 = 7 tokens, and the fourth row's 4 more would make 11."""
+    rows of one prompt, in order; a row joins its prompt's last pack while the pack, its prompt
+    once and every response, stays within `cap` tokens. Packs come in the order of their first rows.
+    Example: prompts (1, 2), (1, 2), (3,), (1, 2), response lengths 3, 2, 1, 4, cap 9 ->
+    [[0, 1], [2], [3]]: 2 + 3 + 2 = 7 tokens, and the fourth row's 4 more would make 11."""
     packs: list[list[int]] = []
     last: dict[tuple[int, ...], list] = {}  # prompt -> [its last pack, that pack's response tokens]
     for i, (p, n) in enumerate(zip(prompts, resp_lens, strict=True)):
-        P, pack = len(p), last.get(p)
-        if pack is not None and P + pack[1] + n <= cap and 2 * n * pack[1] - P * P <= P * pair_cost:
+        pack = last.get(p)
+        if pack is not None and len(p) + pack[1] + n <= cap:
             pack[0].append(i)
             pack[1] += n
         else:
@@ -286,60 +286,104 @@ def prompt_packs(
     return packs
 
 
-def pair_cost(lm) -> float:
-    """How many (query, key) pairs of attention cost as much as one token through a decoder
-    layer's matmuls: 2 x its parameters FLOPs a token against 4 x hidden size a pair (q.k and the
-    weighted sum of v), forward and backward alike."""
-    layers = lm.get_decoder().layers
-    return sum(p.numel() for p in layers[0].parameters()) / (2 * lm.config.hidden_size)
+# the attention function a packable model runs (LogprobModel sets it): HF's SDPA, or for packed rows
+# the same SDPA over each row's own prompt and response (packed_attention)
+PACKED_ATTENTION = "grpo_packed_sdpa"
 
 
 def can_pack(lm) -> bool:
-    """Whether the model takes pack_rows' layout: HF's SDPA or eager attention, which take a custom
-    4D mask and position ids, and no sliding window (the custom mask would not apply it)."""
+    """Whether the model takes pack_rows' layout: HF's SDPA attention (which packed_attention runs
+    on each row's own tokens) and no sliding window (which the segments would not apply)."""
     c = lm.config
     return (
-        c._attn_implementation in ("sdpa", "eager") and getattr(c, "sliding_window", None) is None
+        c._attn_implementation in ("sdpa", PACKED_ATTENTION)
+        and getattr(c, "sliding_window", None) is None
     )
+
+
+class Packed:
+    """Where each row of a packed batch lies in the packed decoder rows (pack_rows), for
+    packed_attention. Positions are flat over the packed rows [Bp * Lp]. A plain class, not a
+    dataclass: FSDP2 copies dataclasses in a forward's arguments, and `calls` must count on this
+    one."""
+
+    def __init__(self, seg: torch.Tensor, back: torch.Tensor):
+        self.seg = seg  # [B, Ls] row r's prompt, then its response, right-padded with its last
+        self.back = back  # [Bp * Lp] for each packed position, its output's place in [B * Ls]
+        self.calls = 0  # attention layers that ran on it (LogprobModel checks the model passed it)
+
+
+def packed_attention(module, query, key, value, attention_mask, packed: Packed | None = None, **kw):
+    """HF attention function (registered as PACKED_ATTENTION) for pack_rows' layout: each row's
+    prompt and response are gathered from the packed rows into a sequence of their own, run
+    through HF's SDPA as causal attention (no mask: a row's padding comes after its tokens), and
+    each packed position takes its output from the row it belongs to (a prompt's from its pack's
+    first row). So every token attends to what it would in its own row, and the attention costs
+    what one row per sample costs, while the matmuls see the prompt once. Without `packed` it is
+    HF's SDPA unchanged.
+    query [Bp, H, Lp, D], key and value [Bp, Hkv, Lp, D] -> ([Bp, Lp, H, D], None)."""
+    if packed is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+    packed.calls += 1
+    B, Ls = packed.seg.shape
+
+    def rows(x):  # [Bp, h, Lp, D] -> [B, h, Ls, D]
+        x = x.transpose(1, 2).flatten(0, 1).index_select(0, packed.seg.flatten())
+        return x.view(B, Ls, *x.shape[1:]).transpose(1, 2)
+
+    kw.pop("is_causal", None)
+    out, _ = sdpa_attention_forward(
+        module, rows(query), rows(key), rows(value), None, is_causal=True, **kw
+    )  # [B, Ls, H, D]
+    out = out.flatten(0, 1).index_select(0, packed.back)  # [Bp * Lp, H, D]
+    return out.view(query.shape[0], query.shape[2], *out.shape[1:]), None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
 
 
 def pack_rows(input_ids, attention_mask, resp_start, packs: list[list[int]]):
     """The decoder's input for rows packed by prompt_packs: each pack one row, its prompt once,
-    then each of its rows' responses, with RoPE positions as in the row's own sequence and an
-    attention mask under which a response sees the prompt and its own earlier tokens, nothing else.
+    then each of its rows' responses, with RoPE positions as in the row's own sequence, and where
+    each row's tokens lie in it (Packed), so that a response attends to the prompt and its own
+    earlier tokens, nothing else (packed_attention).
 
     Example: a pack of two rows of prompt [p0, p1], responses [a0, a1] and [b0] ->
       ids [p0, p1, a0, a1, b0]   positions [0, 1, 2, 3, 2]
-      mask (query down, key across): p0: p0; p1: p0 p1; a0: p0 p1 a0; a1: p0 p1 a0 a1; b0: p0 p1 b0
-    Returns ids [Bp, Lp], positions [Bp, Lp], mask [Bp, 1, Lp, Lp] (bool, True: attends), and for
-    each input row its pack and the packed column of its first response token. Padding past a
-    pack's end attends to the prompt (never to a response), so no row of the mask is empty."""
+      rows' tokens (Packed.seg) [0, 1, 2, 3] and [0, 1, 4, 4]; outputs (Packed.back) [0, 1, 2, 3, 6]
+    Returns ids [Bp, Lp], positions [Bp, Lp], Packed, and for each input row its pack and the
+    packed column of its first response token."""
     device, input_ids = input_ids.device, input_ids.cpu()  # built on the CPU, sent once
     lens = attention_mask.sum(1).tolist()
     starts = resp_start.tolist()
     width = max(starts[p[0]] + sum(lens[i] - starts[i] for i in p) for p in packs)
     ids = input_ids.new_zeros(len(packs), width)
     pos = torch.zeros_like(ids)
-    seg = torch.full_like(ids, -1)  # 0: prompt, j + 1: the pack's j-th response, -1: padding
+    seg = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    back = torch.zeros(len(packs) * width, dtype=torch.long)
     where, first = [0] * len(lens), [0] * len(lens)
     for k, pack in enumerate(packs):
-        P = starts[pack[0]]
+        P, base = starts[pack[0]], k * width
         ids[k, :P] = input_ids[pack[0], :P]
         pos[k, :P] = torch.arange(P)
-        seg[k, :P] = 0
+        back[base : base + P] = pack[0] * seg.shape[1] + torch.arange(P)
         c = P
-        for j, i in enumerate(pack):
+        for i in pack:
             n = lens[i] - P
             ids[k, c : c + n] = input_ids[i, P : P + n]
             pos[k, c : c + n] = torch.arange(P, P + n)
-            seg[k, c : c + n] = j + 1
+            seg[i, :P] = base + torch.arange(P)
+            seg[i, P : P + n] = base + torch.arange(c, c + n)
+            seg[i, P + n :] = seg[i, P + n - 1]
+            back[base + c : base + c + n] = i * seg.shape[1] + torch.arange(P, P + n)
             where[i], first[i] = k, c
             c += n
-    q = torch.arange(width)
-    causal = q[None, :] <= q[:, None]  # [Lp, Lp]: key <= query
-    mask = causal & ((seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))  # [Bp, Lp, Lp]
     to = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
-    return to(ids, pos, mask[:, None], torch.tensor(where), torch.tensor(first))
+    ids, pos, seg, back, where, first = to(
+        ids, pos, seg, back, torch.tensor(where), torch.tensor(first)
+    )
+    return ids, pos, Packed(seg, back), where, first
 
 
 class LogprobModel(torch.nn.Module):
@@ -354,7 +398,8 @@ class LogprobModel(torch.nn.Module):
         super().__init__()
         self.lm = lm
         self.packable = can_pack(lm)  # whether rows that share a prompt can share it (pack_rows)
-        self.pair_cost = pair_cost(lm)  # prompt_packs' measure of a token against attention
+        if self.packable:  # HF's SDPA, which also takes packed rows
+            lm.set_attn_implementation(PACKED_ATTENTION)
 
     def forward(
         self,
@@ -396,21 +441,26 @@ class LogprobModel(torch.nn.Module):
         targets = input_ids[rows, pos]  # [N]
         decoder = self.lm.get_decoder()
         if packs is None:
-            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            # rows are right-padded: under causal attention no real token sees a pad, so SDPA
+            # needs no padding mask and skips the (query, key) pairs past the diagonal
+            mask = None if self.packable else attention_mask
+            hidden = decoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
             h = hidden[rows, pos - 1]  # [N, H]
         else:
-            ids, positions, mask, where, first = pack_rows(
+            ids, positions, packed, where, first = pack_rows(
                 input_ids, attention_mask, resp_start, packs
             )
-            if self.lm.config._attn_implementation == "eager":  # additive: 0 or -inf
-                w_dtype = self.lm.get_input_embeddings().weight.dtype
-                mask = torch.zeros(mask.shape, dtype=w_dtype, device=mask.device).masked_fill_(
-                    ~mask, torch.finfo(w_dtype).min
-                )
-            # [Bp, Lp, H]
+            # a 4D mask passes through HF untouched (packed_attention reads `packed` instead);
+            # without one, HF would build a [Bp, Lp, Lp] mask from the positions' restarts
+            unused = torch.ones(len(packs), 1, 1, 1, dtype=torch.bool, device=ids.device)
             hidden = decoder(
-                input_ids=ids, attention_mask=mask, position_ids=positions
-            ).last_hidden_state
+                input_ids=ids, attention_mask=unused, position_ids=positions, packed=packed
+            ).last_hidden_state  # [Bp, Lp, H]
+            if packed.calls < len(decoder.layers):
+                raise ValueError(
+                    f"{type(self.lm).__name__}'s layers do not pass keyword arguments to their "
+                    "attention: its rows cannot share a prompt (--no-share-prompt)"
+                )
             # response token t of row r: predicted at its pack's column first[r] + t - 1, and
             # token 0 of every row at the prompt's last position
             where, first = where[rows], first[rows]  # [N]

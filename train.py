@@ -581,35 +581,34 @@ def make_batch(
     )
 
 
-def micro_batches(b: Batch, rows: list[int], token_budget: int, share: float | None) -> list[Batch]:
+def micro_batches(b: Batch, rows: list[int], token_budget: int, share: bool) -> list[Batch]:
     """`rows` of b in micro-batches whose padded tokens stay within the budget
     (distributed.micro_batches: longest first), each trimmed to its own rows, and as many on every
     rank: a rank with fewer runs b.stand_in() in place of each it lacks (FSDP's collectives need the
-    same passes on every rank). A collective. `share` (the model's pair_cost, None: off): rows that
-    share a prompt go in packs of at most the budget's tokens (model.prompt_packs), each a row of
-    the forward counted as its prompt plus its responses; a micro-batch holds whole packs
-    (Batch.packs)."""
+    same passes on every rank). A collective. `share`: rows that share a prompt go in packs of at
+    most the budget's tokens (model.prompt_packs), each a row of the forward counted as its prompt
+    plus its responses; a micro-batch holds whole packs (Batch.packs)."""
     units, cost = [[r] for r in rows], [b.lengths[r] for r in rows]
-    if share is not None:
+    if share:
         prompts = [tuple(b.input_ids[r, : b.resp_start[r]].tolist()) for r in rows]
         resp = [b.lengths[r] - int(b.resp_start[r]) for r in rows]
-        packs = model.prompt_packs(prompts, resp, token_budget, share)
+        packs = model.prompt_packs(prompts, resp, token_budget)
         units = [[rows[i] for i in p] for p in packs]
         cost = [len(prompts[p[0]]) + sum(resp[i] for i in p) for p in packs]
     out = []
     for us in distributed.micro_batches(cost, list(range(len(units))), token_budget):
         mb = b.select([r for u in us for r in units[u]]) if us else b.stand_in()
-        if share is not None and us:  # each pack's rows by their place in mb
+        if share and us:  # each pack's rows by their place in mb
             at = iter(range(len(mb.rows)))
             mb = replace(mb, packs=[[next(at) for _ in units[u]] for u in us])
         out.append(mb)
     return out
 
 
-def shares(m, cfg: Config) -> float | None:
+def shares(m, cfg: Config) -> bool:
     """Whether a group's samples share their prompt in the forward (--share-prompt, where the
-    model's attention allows it: model.can_pack): micro_batches' `share`, else None."""
-    return m.pair_cost if cfg.share_prompt and m.packable else None
+    model's attention allows it: model.can_pack): micro_batches' `share`."""
+    return cfg.share_prompt and m.packable
 
 
 def logprobs(m, mb: Batch, cfg: Config, device, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -111,17 +111,13 @@ def shared_prompt_batch(tok, seed=3):
 
 def test_prompt_packs_share_a_prompt_within_the_cap():
     a, b = (1, 2), (3,)
-    assert model.prompt_packs([a, a, b, a], [3, 2, 1, 4], 9, 100) == [[0, 1], [2], [3]]
-    assert model.prompt_packs([a, a, b, a], [3, 2, 1, 4], 11, 100) == [[0, 1, 3], [2]]
-    assert model.prompt_packs([a, a], [20, 1], 9, 100) == [[0], [1]]  # too long alone: its own
-    # attention: 2 x 3 x 3 - 4 = 14 pairs more against 2 x 6 saved: no; x 7: yes
-    assert model.prompt_packs([a, a], [3, 3], 100, 6) == [[0], [1]]
-    assert model.prompt_packs([a, a], [3, 3], 100, 7) == [[0, 1]]
+    assert model.prompt_packs([a, a, b, a], [3, 2, 1, 4], 9) == [[0, 1], [2], [3]]
+    assert model.prompt_packs([a, a, b, a], [3, 2, 1, 4], 11) == [[0, 1, 3], [2]]
+    assert model.prompt_packs([a, a], [20, 1], 9) == [[0], [1]]  # too long alone: its own
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("pack_tokens", [12, 10_000])
-def test_shared_prompts_give_the_float64_logprobs_and_gradient(tiny_path, tok, attn, pack_tokens):
+def test_shared_prompts_give_the_float64_logprobs_and_gradient(tiny_path, tok, pack_tokens):
     """Rows that share a prompt, packed into one decoder row each (the prompt once, each response
     seeing only the prompt and itself): the logprobs, entropy and gradient of a loss that weighs
     every token differently equal autograd through each row's own full logits in float64. 12 tokens
@@ -130,11 +126,10 @@ def test_shared_prompts_give_the_float64_logprobs_and_gradient(tiny_path, tok, a
     input_ids, am, start, T, resp_lens = shared_prompt_batch(tok)
     coef = torch.randn(len(resp_lens), T, generator=torch.Generator().manual_seed(0)).double()
     m = model.load_model(tiny_path).double()
-    m.set_attn_implementation(attn)
     seen = []
     m.model.embed_tokens.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape))
     prompts = [tuple(r[:s]) for r, s in zip(input_ids.tolist(), start.tolist())]
-    packs = model.prompt_packs(prompts, resp_lens, pack_tokens, 1e9)
+    packs = model.prompt_packs(prompts, resp_lens, pack_tokens)
     lp, ent = model.token_logprobs(
         m, input_ids, am, start, T, 0.7, 4096, with_entropy=True, packs=packs
     )
@@ -148,6 +143,25 @@ def test_shared_prompts_give_the_float64_logprobs_and_gradient(tiny_path, tok, a
     torch.testing.assert_close(lp.detach(), want_lp.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent, want_ent.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_only_sdpa_models_share_a_prompt(tiny_path, tok):
+    """Packed rows run HF's SDPA on each row's own tokens: a model on eager attention (whose own
+    attention code may differ: soft-capping, sinks) keeps one row per sample, and says so if asked
+    to pack; the policy's SDPA stays HF's for unpacked calls (generation with a cache)."""
+    m = model.load_model(tiny_path)
+    m.set_attn_implementation("eager")
+    assert not model.LogprobModel(m).packable
+    input_ids, am, start, T, resp_lens = shared_prompt_batch(tok)
+    with pytest.raises(ValueError, match="takes no packed rows"):
+        model.token_logprobs(m, input_ids, am, start, T, packs=[list(range(len(resp_lens)))])
+    m = model.load_model(tiny_path)
+    assert model.LogprobModel(m).packable and m.config._attn_implementation != "sdpa"
+    prompt = input_ids[:1, : int(start[0])]
+    with torch.no_grad():
+        out = m.generate(prompt, max_new_tokens=4, do_sample=False)
+        m.set_attn_implementation("sdpa")
+        assert torch.equal(out, m.generate(prompt, max_new_tokens=4, do_sample=False))
 
 
 def test_tiny_tokenizer_survives_save_and_load(tiny_path, tok):

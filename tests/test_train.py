@@ -149,7 +149,7 @@ def test_shared_prompt_micro_batches_hold_whole_packs_within_budget(tok):
     b = train.make_batch(prompts, samples, torch.zeros(32), False, tok.pad_token_id)
     rows = list(range(0, 32, 3))
     for budget in (1, 30, 100, 10**6):
-        mbs = train.micro_batches(b, rows, budget, share=1e9)
+        mbs = train.micro_batches(b, rows, budget, share=True)
         assert sorted(r for mb in mbs for r in mb.rows) == rows
         for mb in mbs:
             assert sorted(i for p in mb.packs for i in p) == list(range(len(mb.rows)))
@@ -373,7 +373,7 @@ def test_a_stand_in_micro_batch_is_two_tokens_whatever_the_batch(tok):
         rollout.Sample(1, [6, 2], [-1.0, -1.0], False),
     ]
     b = train.make_batch(prompts, samples, torch.tensor([1.0, -1.0]), False, 0)
-    one, stand_in = train.micro_batches(b, [1], 10**6, share=None)[0], b.stand_in()
+    one, stand_in = train.micro_batches(b, [1], 10**6, share=False)[0], b.stand_in()
     # trimmed to its own row
     assert one.rows == [1] and one.input_ids.shape == (1, 4) and one.T == 2
     assert stand_in.input_ids.shape == (1, 2) and stand_in.T == 1 and stand_in.rows == []

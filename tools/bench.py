@@ -600,20 +600,19 @@ def flops_table(results: dict, cfg: BenchConfig) -> list[str]:
     c = AutoConfig.from_pretrained(model_for("smollm2"))
     n, G = cfg.prompts * cfg.group_size, cfg.group_size
     model_flops = 3 * n * forward_flops(c, peaks["seq"], peaks["resp"])
-    # --share-prompt: each group in the packs model.prompt_packs makes of it (a row of the prompt
-    # and some of its responses), each pack's attention counted over its lower triangle
+    # --share-prompt: each group in the packs model.prompt_packs makes of it, each pack's matmuls
+    # over its prompt once and its responses, and attention over each sample's own prompt and
+    # response (model.packed_attention)
     prompt, resp = peaks["seq"] - peaks["resp"], peaks["resp"]
-    with torch.device("meta"):  # the layer's shapes only, for pair_cost
-        lm = AutoModelForCausalLM.from_config(c)
     packs = model.prompt_packs(
-        [(0,) * round(prompt)] * G,
-        [round(resp)] * G,
-        cfg.micro_batch * round(peaks["seq"]),
-        model.pair_cost(lm),
+        [(0,) * round(prompt)] * G, [round(resp)] * G, cfg.micro_batch * round(peaks["seq"])
     )
-    shared_flops = (
-        3 * (n // G) * sum(forward_flops(c, prompt + len(p) * resp, len(p) * resp) for p in packs)
+    attention = forward_flops(c, peaks["seq"], 0) - forward_flops(c, peaks["seq"], 0, False)
+    per_group = sum(
+        forward_flops(c, prompt + len(p) * resp, len(p) * resp, False) + len(p) * attention
+        for p in packs
     )
+    shared_flops = 3 * (n // G) * per_group
     f32, bf16 = peaks["float32"]["mix"], peaks.get("bfloat16", {}).get("mix")
     lines = [
         "",
@@ -1411,12 +1410,12 @@ def layer_matmuls(
     ]
 
 
-def forward_flops(c, seq: float, resp: float) -> float:
-    """One forward pass over one sequence: 2 m k n per matmul, plus causal attention, 2 x 2 x H x
-    seq^2 / 2 per layer (QK^T and AV over the lower triangle). Norms, RoPE, SiLU and softmax are
-    left out (a few percent)."""
+def forward_flops(c, seq: float, resp: float, attention: bool = True) -> float:
+    """One forward pass over one sequence: 2 m k n per matmul, plus (`attention`) causal attention,
+    2 x 2 x H x seq^2 / 2 per layer (QK^T and AV over the lower triangle). Norms, RoPE, SiLU and
+    softmax are left out (a few percent)."""
     mm = sum(2 * m * k * n * count for _, m, k, n, count in layer_matmuls(c, seq, resp))
-    return mm + 2 * c.hidden_size * seq**2 * c.num_hidden_layers
+    return mm + attention * 2 * c.hidden_size * seq**2 * c.num_hidden_layers
 
 
 def _time_matmuls(shapes, dtype: str, threads: int, seconds: float, barrier, queue) -> None:
