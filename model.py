@@ -307,9 +307,11 @@ class Packed:
     dataclass: FSDP2 copies dataclasses in a forward's arguments, and `calls` must count on this
     one."""
 
-    def __init__(self, seg: torch.Tensor, back: torch.Tensor):
-        self.seg = seg  # [B, Ls] row r's prompt, then its response, right-padded with its last
-        self.back = back  # [Bp * Lp] for each packed position, its output's place in [B * Ls]
+    def __init__(self, seg: list[torch.Tensor], back: torch.Tensor):
+        # per bucket of rows of similar length, [rows, Ls]: each row's prompt then its response,
+        # right-padded with its last position
+        self.seg = seg
+        self.back = back  # [Bp * Lp] for each packed position, its output's place in the buckets'
         self.calls = 0  # attention layers that ran on it (LogprobModel checks the model passed it)
 
 
@@ -319,28 +321,35 @@ def packed_attention(module, query, key, value, attention_mask, packed: Packed |
     through HF's SDPA as causal attention (no mask: a row's padding comes after its tokens), and
     each packed position takes its output from the row it belongs to (a prompt's from its pack's
     first row). So every token attends to what it would in its own row, and the attention costs
-    what one row per sample costs, while the matmuls see the prompt once. Without `packed` it is
-    HF's SDPA unchanged.
+    what one row per sample costs, while the matmuls see the prompt once. Rows of similar length
+    share an SDPA call (Packed.seg's buckets). Without `packed` it is HF's SDPA unchanged.
     query [Bp, H, Lp, D], key and value [Bp, Hkv, Lp, D] -> ([Bp, Lp, H, D], None)."""
     if packed is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
     packed.calls += 1
-    B, Ls = packed.seg.shape
-
-    def rows(x):  # [Bp, h, Lp, D] -> [B, h, Ls, D]
-        x = x.transpose(1, 2).flatten(0, 1).index_select(0, packed.seg.flatten())
-        return x.view(B, Ls, *x.shape[1:]).transpose(1, 2)
-
     kw.pop("is_causal", None)
-    out, _ = sdpa_attention_forward(
-        module, rows(query), rows(key), rows(value), None, is_causal=True, **kw
-    )  # [B, Ls, H, D]
-    out = out.flatten(0, 1).index_select(0, packed.back)  # [Bp * Lp, H, D]
+    q, k, v = (x.transpose(1, 2).flatten(0, 1) for x in (query, key, value))  # [Bp * Lp, h, D]
+    outs = []
+    for seg in packed.seg:
+        b, Ls = seg.shape
+
+        def rows(x):  # [Bp * Lp, h, D] -> [b, h, Ls, D]
+            return x.index_select(0, seg.flatten()).view(b, Ls, *x.shape[1:]).transpose(1, 2)
+
+        out, _ = sdpa_attention_forward(
+            module, rows(q), rows(k), rows(v), None, is_causal=True, **kw
+        )
+        outs.append(out.flatten(0, 1))  # [b * Ls, H, D]
+    out = torch.cat(outs).index_select(0, packed.back)  # [Bp * Lp, H, D]
     return out.view(query.shape[0], query.shape[2], *out.shape[1:]), None
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
 AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
+
+# packed_attention's buckets: a row goes with rows at most 1 / BUCKET times its length, so padding
+# makes its attention at most 1 / BUCKET^2 = 1.56x its own (long responses of mixed lengths)
+BUCKET = 0.8
 
 
 def pack_rows(input_ids, attention_mask, resp_start, packs: list[list[int]]):
@@ -351,7 +360,8 @@ def pack_rows(input_ids, attention_mask, resp_start, packs: list[list[int]]):
 
     Example: a pack of two rows of prompt [p0, p1], responses [a0, a1] and [b0] ->
       ids [p0, p1, a0, a1, b0]   positions [0, 1, 2, 3, 2]
-      rows' tokens (Packed.seg) [0, 1, 2, 3] and [0, 1, 4, 4]; outputs (Packed.back) [0, 1, 2, 3, 6]
+      rows' tokens (Packed.seg) [[0, 1, 2, 3]] and [[0, 1, 4]] (lengths 4 and 3: a bucket each)
+      outputs (Packed.back) [0, 1, 2, 3, 6]: the first row's 4 places, then the second's
     Returns ids [Bp, Lp], positions [Bp, Lp], Packed, and for each input row its pack and the
     packed column of its first response token."""
     device, input_ids = input_ids.device, input_ids.cpu()  # built on the CPU, sent once
@@ -360,28 +370,41 @@ def pack_rows(input_ids, attention_mask, resp_start, packs: list[list[int]]):
     width = max(starts[p[0]] + sum(lens[i] - starts[i] for i in p) for p in packs)
     ids = input_ids.new_zeros(len(packs), width)
     pos = torch.zeros_like(ids)
-    seg = torch.zeros(len(lens), max(lens), dtype=torch.long)
-    back = torch.zeros(len(packs) * width, dtype=torch.long)
     where, first = [0] * len(lens), [0] * len(lens)
+    tokens = [None] * len(lens)  # each row's flat packed positions: its prompt, then its response
     for k, pack in enumerate(packs):
         P, base = starts[pack[0]], k * width
         ids[k, :P] = input_ids[pack[0], :P]
         pos[k, :P] = torch.arange(P)
-        back[base : base + P] = pack[0] * seg.shape[1] + torch.arange(P)
         c = P
         for i in pack:
             n = lens[i] - P
             ids[k, c : c + n] = input_ids[i, P : P + n]
             pos[k, c : c + n] = torch.arange(P, P + n)
-            seg[i, :P] = base + torch.arange(P)
-            seg[i, P : P + n] = base + torch.arange(c, c + n)
-            seg[i, P + n :] = seg[i, P + n - 1]
-            back[base + c : base + c + n] = i * seg.shape[1] + torch.arange(P, P + n)
+            tokens[i] = base + torch.cat([torch.arange(P), torch.arange(c, c + n)])
             where[i], first[i] = k, c
             c += n
+    # buckets of rows by length, longest first; place: where a row's outputs start in theirs
+    seg, place, done = [], [0] * len(lens), 0
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    while order:
+        Ls = lens[order[0]]
+        rows = [i for i in order if lens[i] >= BUCKET * Ls]
+        order = order[len(rows) :]
+        seg.append(
+            torch.stack([torch.cat([tokens[i], tokens[i][-1:].expand(Ls - lens[i])]) for i in rows])
+        )
+        for j, i in enumerate(rows):
+            place[i] = done + j * Ls
+        done += len(rows) * Ls
+    back = torch.zeros(len(packs) * width, dtype=torch.long)  # padding: any output
+    for k, pack in enumerate(packs):
+        for i in pack:  # each response's own outputs; the prompt's from the pack's first row
+            back[tokens[i][starts[i] :]] = place[i] + torch.arange(starts[i], lens[i])
+        back[tokens[pack[0]][: starts[pack[0]]]] = place[pack[0]] + torch.arange(starts[pack[0]])
     to = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
-    ids, pos, seg, back, where, first = to(
-        ids, pos, seg, back, torch.tensor(where), torch.tensor(first)
+    ids, pos, back, where, first, *seg = to(
+        ids, pos, back, torch.tensor(where), torch.tensor(first), *seg
     )
     return ids, pos, Packed(seg, back), where, first
 

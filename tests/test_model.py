@@ -116,6 +116,22 @@ def test_prompt_packs_share_a_prompt_within_the_cap():
     assert model.prompt_packs([a, a], [20, 1], 9) == [[0], [1]]  # too long alone: its own
 
 
+def test_pack_rows_lays_out_the_docstrings_example():
+    """pack_rows' example: two rows of prompt [p0, p1] (ids 5, 6), responses [a0, a1] (7, 8) and
+    [b0] (9), beside a row of its own of length 3; rows of lengths 4 and 3 go to separate SDPA
+    calls, the two of length 3 to one."""
+    input_ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 0], [4, 3, 2, 0]])
+    am = (input_ids > 0).long()
+    start = torch.tensor([2, 2, 1])
+    ids, pos, packed, where, first = model.pack_rows(input_ids, am, start, [[0, 1], [2]])
+    assert ids.tolist() == [[5, 6, 7, 8, 9], [4, 3, 2, 0, 0]]
+    assert pos[0].tolist() == [0, 1, 2, 3, 2] and pos[1, :3].tolist() == [0, 1, 2]
+    # flat positions: the second pack starts at 5
+    assert [s.tolist() for s in packed.seg] == [[[0, 1, 2, 3]], [[0, 1, 4], [5, 6, 7]]]
+    assert packed.back[:8].tolist() == [0, 1, 2, 3, 6, 7, 8, 9]
+    assert where.tolist() == [0, 0, 1] and first.tolist() == [2, 4, 1]
+
+
 @pytest.mark.parametrize("pack_tokens", [12, 10_000])
 def test_shared_prompts_give_the_float64_logprobs_and_gradient(tiny_path, tok, pack_tokens):
     """Rows that share a prompt, packed into one decoder row each (the prompt once, each response

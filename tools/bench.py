@@ -607,7 +607,7 @@ def flops_table(results: dict, cfg: BenchConfig) -> list[str]:
     packs = model.prompt_packs(
         [(0,) * round(prompt)] * G, [round(resp)] * G, cfg.micro_batch * round(peaks["seq"])
     )
-    attention = forward_flops(c, peaks["seq"], 0) - forward_flops(c, peaks["seq"], 0, False)
+    attention = 2 * c.hidden_size * peaks["seq"] ** 2 * c.num_hidden_layers  # as forward_flops
     per_group = sum(
         forward_flops(c, prompt + len(p) * resp, len(p) * resp, False) + len(p) * attention
         for p in packs
