@@ -28,6 +28,7 @@ loss (grpo.py).
 """
 
 import os
+from itertools import takewhile
 from pathlib import Path
 
 import torch
@@ -389,7 +390,7 @@ def pack_rows(input_ids, attention_mask, resp_start, packs: list[list[int]]):
     order = sorted(range(len(lens)), key=lambda i: -lens[i])
     while order:
         Ls = lens[order[0]]
-        rows = [i for i in order if lens[i] >= BUCKET * Ls]
+        rows = list(takewhile(lambda i: lens[i] >= BUCKET * Ls, order))
         order = order[len(rows) :]
         seg.append(
             torch.stack([torch.cat([tokens[i], tokens[i][-1:].expand(Ls - lens[i])]) for i in rows])

@@ -607,9 +607,10 @@ def flops_table(results: dict, cfg: BenchConfig) -> list[str]:
     packs = model.prompt_packs(
         [(0,) * round(prompt)] * G, [round(resp)] * G, cfg.micro_batch * round(peaks["seq"])
     )
-    attention = 2 * c.hidden_size * peaks["seq"] ** 2 * c.num_hidden_layers  # as forward_flops
     per_group = sum(
-        forward_flops(c, prompt + len(p) * resp, len(p) * resp, False) + len(p) * attention
+        forward_flops(c, prompt + len(p) * resp, len(p) * resp)
+        - attention_flops(c, prompt + len(p) * resp)
+        + len(p) * attention_flops(c, peaks["seq"])
         for p in packs
     )
     shared_flops = 3 * (n // G) * per_group
@@ -1410,12 +1411,17 @@ def layer_matmuls(
     ]
 
 
-def forward_flops(c, seq: float, resp: float, attention: bool = True) -> float:
-    """One forward pass over one sequence: 2 m k n per matmul, plus (`attention`) causal attention,
-    2 x 2 x H x seq^2 / 2 per layer (QK^T and AV over the lower triangle). Norms, RoPE, SiLU and
-    softmax are left out (a few percent)."""
+def attention_flops(c, seq: float) -> float:
+    """Causal attention's forward over one sequence: 2 x 2 x H x seq^2 / 2 per layer (QK^T and AV
+    over the lower triangle)."""
+    return 2 * c.hidden_size * seq**2 * c.num_hidden_layers
+
+
+def forward_flops(c, seq: float, resp: float) -> float:
+    """One forward pass over one sequence: 2 m k n per matmul, plus causal attention
+    (attention_flops). Norms, RoPE, SiLU and softmax are left out (a few percent)."""
     mm = sum(2 * m * k * n * count for _, m, k, n, count in layer_matmuls(c, seq, resp))
-    return mm + attention * 2 * c.hidden_size * seq**2 * c.num_hidden_layers
+    return mm + attention_flops(c, seq)
 
 
 def _time_matmuls(shapes, dtype: str, threads: int, seconds: float, barrier, queue) -> None:
