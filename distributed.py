@@ -181,6 +181,17 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def from_block_head(t: torch.Tensor, size: int) -> torch.Tensor:
+    """t as the first rank of this rank's block of `size` consecutive ranks holds it (a collective;
+    t of one shape on every rank): the ranks of a tensor-parallel engine take one decision, not
+    one each (a reward with a timeout can score the same response differently on two ranks)."""
+    if not _OURS or size == 1:
+        return t
+    out = [torch.empty_like(t) for _ in range(_WORLD)]
+    dist.all_gather(out, t.contiguous())
+    return out[_RANK // size * size]
+
+
 def sum_over_ranks(*parts):
     """Dataclasses of numbers (this rank's metric sums), each field summed over every rank in one
     collective: new instances of the same classes, fields as floats. Sums in float64, so counts of

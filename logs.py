@@ -125,7 +125,7 @@ def plot(run: Path) -> Path:
     axes = fig.subplots(2, 3)
     for ax, (title, series) in zip(axes.flat, PANELS):
         for key, label in series:
-            pts = [(r["step"], r[key]) for r in rows if key in r]
+            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, label=label)
         ax.set_title(title)

@@ -425,7 +425,11 @@ class Run:
             if self.bar is not None:
                 shown = {**self.last_eval, **row}
                 self.bar.set_postfix(
-                    {name: f"{shown.get(key, 0.0):.3f}" for name, key in self.show.items()}
+                    {
+                        name: "-" if v is None else f"{v:.3f}"  # null: nothing measured it
+                        for name, key in self.show.items()
+                        for v in [shown.get(key, 0.0)]
+                    }
                 )
 
     def interrupted(self) -> bool:

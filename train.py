@@ -269,8 +269,8 @@ def load_policy_and_ref(cfg: Config, path: str, device):
         return policy, None
     if cfg.skip_zero_advantage:  # trained_rows
         distributed.print0(
-            f"--kl-beta {cfg.loss.kl_beta}: every sample runs forward and backward in the update "
-            "(the KL term does not vanish with the advantage), none is skipped"
+            f"--kl-beta {cfg.loss.kl_beta}: every sample with loss tokens runs forward and "
+            "backward in the update (the KL term does not vanish with the advantage)"
         )
     if cfg.lora.on:
         return policy, policy
@@ -334,12 +334,15 @@ def collect_groups(
              rounds=1, first_group=0)
 
     Each engine takes its share of the step's prompts (rollout_round) and a prompt's G samples stay
-    on one rank; the ranks of a tensor-parallel engine send it identical requests, then each keeps
-    its part of the groups. With dynamic sampling (DAPO), groups whose rewards are all equal are
-    dropped and more rounds drawn until every engine has its share of informative groups or the
-    tries run out; all ranks make the same number of rounds.
+    on one rank; the ranks of a tensor-parallel engine send it identical requests, take the
+    rewards its first rank computed, then each keeps its part of the groups. With dynamic sampling
+    (DAPO), groups whose rewards are all equal are dropped and more rounds drawn until every engine
+    has its share of informative groups or the tries run out; all ranks make the same number of
+    rounds. A rank whose part is empty trains nothing this step (FSDP's stand-ins keep it in step),
+    except that an engine that kept nothing gives its first rank one uniform group (advantage 0),
+    so that every step has rows to measure.
     """
-    world, tp = distributed.world_size(), cfg.tensor_parallel_size
+    world, tp, G = distributed.world_size(), cfg.tensor_parallel_size, cfg.group_size
     share, per_rank = cfg.prompts_per_step // (world // tp), cfg.prompts_per_step // world
     kept, drawn, zero_variance, rounds = [], 0, 0, 0
     while True:
@@ -359,23 +362,25 @@ def collect_groups(
         if distributed.all_reduce_sum(torch.tensor([float(len(kept) < share)])).item() == 0:
             break
     tp_rank = distributed.rank() % tp
-    # P < per_rank when dynamic sampling ran short
+    # fewer than per_rank, or none, when dynamic sampling ran short: no group trains twice
     mine = kept[tp_rank * per_rank : (tp_rank + 1) * per_rank]
-    if not mine:  # nothing informative: one zero-advantage group keeps every rank's batch non-empty
+    if not kept and tp_rank == 0:  # nothing informative: the last round's groups are all uniform
         mine = groups[:1]
+    errors = (
+        task.reward_fn.take_failures() if isinstance(task.reward_fn, user_reward.Guarded) else 0
+    )
     return Groups(
         prompts=[task.train_prompts[i] for i, _, _ in mine],
         samples=[
             replace(s, prompt_idx=k) for k, (_, samples, _) in enumerate(mine) for s in samples
         ],
-        rewards=torch.stack([rewards for _, _, rewards in mine]),
-        drawn=drawn,
-        zero_variance=zero_variance,
+        rewards=torch.stack([rewards for _, _, rewards in mine]) if mine else torch.zeros(0, G),
+        # an engine's figures once, not once per tensor-parallel rank
+        drawn=drawn if tp_rank == 0 else 0,
+        zero_variance=zero_variance if tp_rank == 0 else 0,
         rounds=rounds,
         first_group=distributed.rank() * per_rank,
-        reward_errors=task.reward_fn.take_failures()
-        if isinstance(task.reward_fn, user_reward.Guarded)
-        else 0,
+        reward_errors=errors if tp_rank == 0 else 0,
     )
 
 
@@ -405,8 +410,8 @@ def rollout_round(
             seed=seed,
             first_index=engine_rank * share,  # the prompts' place in the step: their streams
         )
-    with runtime.timed(times, "score"):  # 3.
-        rewards = score(task, ids, samples, G)  # [len(ids), G]
+    with runtime.timed(times, "score"):  # 3. one engine's ranks: its first rank's rewards
+        rewards = distributed.from_block_head(score(task, ids, samples, G), tp)  # [len(ids), G]
     return [(i, samples[g * G : (g + 1) * G], rewards[g]) for g, i in enumerate(ids)]
 
 
@@ -551,10 +556,10 @@ def make_batch(
                  the loss
       truncated  [False, True], lengths [4, 3], rows [0, 1]
     """
-    N = len(samples)
+    N = len(samples)  # 0 on a rank with no group this step (collect_groups)
     seqs = [prompts[s.prompt_idx] + s.token_ids for s in samples]
-    L = max(len(s) for s in seqs)
-    T = max(1, max(len(s.token_ids) for s in samples))
+    L = max((len(s) for s in seqs), default=1)
+    T = max((len(s.token_ids) for s in samples), default=1) or 1
     ids = torch.full((N, L), pad_id, dtype=torch.long)
     am = torch.zeros(N, L, dtype=torch.long)
     resp_mask = torch.zeros(N, T)
@@ -564,8 +569,8 @@ def make_batch(
         am[i, : len(seq)] = 1
         resp_mask[i, : len(s.token_ids)] = 1
         gen_logp[i, : len(s.token_ids)] = torch.tensor(s.logprobs)
-    start = torch.tensor([len(prompts[s.prompt_idx]) for s in samples])
-    truncated = torch.tensor([s.truncated for s in samples])
+    start = torch.tensor([len(prompts[s.prompt_idx]) for s in samples], dtype=torch.long)
+    truncated = torch.tensor([s.truncated for s in samples], dtype=torch.bool)
     loss_mask = resp_mask * (~truncated).float()[:, None] if overlong_filter else resp_mask
     return Batch(
         ids,
@@ -725,18 +730,21 @@ def update_policy(
 
 def trained_rows(b: Batch, rows: list[int], cfg: Config) -> list[int]:
     """The rows of `rows` whose forward and backward the update runs: all, or with
-    --skip-zero-advantage (the default) those whose advantage is not exactly 0.
+    --skip-zero-advantage (the default) those whose loss term can be non-zero: the advantage is
+    not exactly 0 and some token counts in the loss (--overlong-filter masks out a truncated row).
 
     Every term of the policy loss (PPO's clipped ratio, GSPO, CISPO, REINFORCE, dual clip, the
-    importance weights, which are finite) is A times something finite, so a row with A = 0 adds
-    exactly 0 to the loss and to every gradient; the normalizers still count it (normalizer). Left
-    out, it changes when its zeros would have been added, nothing else: the weights after the step
-    are those of computing everything, up to float rounding from the other rows' new grouping into
-    micro-batches. The KL term does not vanish with A, so with --kl-beta > 0 every row runs.
+    importance weights, which are finite) is A times something finite, and every term, KL's too,
+    is multiplied by the loss mask, so such a row adds exactly 0 to the loss and to every gradient;
+    the normalizers still count it (normalizer). Left out, it changes when its zeros would have been
+    added, nothing else: the weights after the step are those of computing everything, up to float
+    rounding from the other rows' new grouping into micro-batches. The KL term does not vanish with
+    A, so with --kl-beta > 0 every row with loss tokens runs.
     Example: groups [1, 1, 1, 1] and [1, 0, 0, 1]: only the second group's 4 rows run."""
-    if not cfg.skip_zero_advantage or cfg.loss.kl_beta > 0:
+    if not cfg.skip_zero_advantage:
         return list(rows)
-    return [r for r in rows if b.advantages[r] != 0]
+    kl = cfg.loss.kl_beta > 0
+    return [r for r in rows if b.loss_mask[r].any() and (kl or b.advantages[r] != 0)]
 
 
 def minibatches(n_rows: int, cfg: Config, first_group: int) -> list[list[int]]:
@@ -813,8 +821,9 @@ def step_metrics(
     )
     r, m, mm = distributed.sum_over_ranks(here, upd.loss, upd.mismatch)
     n_seq, n_loss_tok = r.seqs, max(m.tokens, 1.0)
-    # the entropy and the engine/trainer mismatch come from the update's forward: the rows it ran
-    n_tok = max(r.trained_tokens, 1.0)
+    # the entropy and the engine/trainer mismatch come from the update's forward, so they cover the
+    # rows it ran (trained_tokens); on a step that ran none nothing measured them: null, not 0
+    per_tok = lambda x: x / r.trained_tokens if r.trained_tokens else None  # noqa: E731
     adv_mean = r.adv / n_seq
     return dict(
         step=step,
@@ -826,17 +835,18 @@ def step_metrics(
         clip_frac_low=m.clip_low / n_loss_tok,
         clip_frac_high=m.clip_high / n_loss_tok,
         kl=m.kl / n_loss_tok,
-        entropy=r.entropy / n_tok,
-        token_mult_prob_error=mm.token_mult_prob_error / n_tok,
-        gen_kl_error=mm.gen_kl_error / n_tok,
-        policy_kl_error=mm.policy_kl_error / n_tok,
-        js_divergence_error=mm.js_divergence_error / n_tok,
+        entropy=per_tok(r.entropy),
+        token_mult_prob_error=per_tok(mm.token_mult_prob_error),
+        gen_kl_error=per_tok(mm.gen_kl_error),
+        policy_kl_error=per_tok(mm.policy_kl_error),
+        js_divergence_error=per_tok(mm.js_divergence_error),
         truncated_frac=r.truncated / n_seq,
-        is_oob_frac=m.is_oob / max(m.is_units, 1.0),
+        is_oob_frac=m.is_oob / m.is_units if m.is_units else None,
         zero_var_group_frac=r.zero_var_groups / r.groups,
-        # the step's rows the update computed: all of them, or those with A != 0 (trained_rows);
-        # entropy, the mismatch metrics and is_oob_frac cover these
+        # the step's rows the update computed: all of them, or those with a loss term
+        # (trained_rows); entropy, the mismatch metrics and is_oob_frac cover these
         trained_frac=r.trained_seqs / n_seq,
+        trained_tokens=int(r.trained_tokens),
         adv_mean=adv_mean,
         skipped_updates=upd.skipped,
         adv_std=max(r.adv_sq / n_seq - adv_mean**2, 0.0) ** 0.5,

@@ -16,6 +16,10 @@ skips  OUT CASES   each case of CASES, {name: [MICRO_TOKENS, MINIBATCHES, LR, OP
                    OUT/NAME.skip.pt and OUT/NAME.full.pt, and OUT/NAME.{skip,full}.json with the
                    rows the update computed over all ranks. REWARDS (skip_rewards) makes groups
                    whose rewards are all equal; FLAGS: more train.Config values
+collect OUT        collect_groups at tensor-parallel size 2 (one engine's two ranks, here an HF
+                   engine each, given the same requests) with dynamic sampling, under a reward that
+                   rank 1 scores otherwise (as one with a timeout can): OUT.rank{r} each rank's
+                   groups and what rank 0's reward makes informative
 refit  OUT TP      shard, change the weights, refit each rank's vLLM engine (TP-sharded when
                    TP > 1), compare its logprobs with the trainer's; record the held-out
                    evaluation's samples of four copies of one prompt, split over the engines
@@ -44,6 +48,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from demo import bases  # noqa: E402
 import checkpoint  # noqa: E402
+import data  # noqa: E402
 import distributed  # noqa: E402
 import eval_aime  # noqa: E402
 import grpo  # noqa: E402
@@ -56,18 +61,24 @@ from runtime import config  # noqa: E402
 from test_rollout import perturbed  # noqa: E402
 
 
+def truncated(i: int, j: int) -> bool:
+    """Whether sample j of prompt i of fixed_global_batch hit its length limit."""
+    return (3 * i + j) % 5 == 4
+
+
 def fixed_global_batch(tok, P=8, G=4, seed=0):
     """The same global batch on every rank and world size: P prompts x G random responses with
-    random rewards."""
+    random rewards, some of them truncated."""
     g = torch.Generator().manual_seed(seed)
     train_set, _ = tasks.sum3_split()
     prompts = [tok(p.prompt)["input_ids"] for p in train_set[:P]]
     samples = []
     for i in range(P):
-        for _ in range(G):
+        for j in range(G):
             n = int(torch.randint(1, 6, (1,), generator=g))
             ids = torch.randint(4, 20, (n,), generator=g).tolist()
-            samples.append(rollout.Sample(i, ids, (-torch.rand(n, generator=g)).tolist(), False))
+            logp = (-torch.rand(n, generator=g)).tolist()
+            samples.append(rollout.Sample(i, ids, logp, truncated(i, j)))
     rewards = (torch.rand(P, G, generator=g) < 0.5).float()
     return prompts, samples, rewards
 
@@ -83,6 +94,8 @@ def skip_rewards(kind: str, P: int = 8, G: int = 4) -> torch.Tensor:
         return torch.cat([mixed, mixed[:1], same, same])[:P]
     if kind == "uniform":
         return same.repeat(P // 2, 1)
+    if kind == "six-groups":
+        return torch.cat([mixed, same, mixed[:1]])
     if kind == "graded":
         return torch.tensor([[0.0, 0.5, 1.0, 0.5], [1.0, 0.5, 0.0, 0.5]]).repeat(P // 2, 1)
     raise ValueError(kind)
@@ -108,6 +121,7 @@ def update(
     prompts, samples, rewards = fixed_global_batch(tok, *((4, 2) if small else ()))
     if rewards_kind:
         rewards = skip_rewards(rewards_kind)
+        prompts, samples, _ = fixed_global_batch(tok, *rewards.shape)
     P, G = rewards.shape
     # GSPO is sequence-level
     cfg = config(
@@ -136,7 +150,11 @@ def update(
     ]
     adv = grpo.group_advantages(rewards[list(share)], cfg.loss.leave_one_out)
     b = train.make_batch(
-        [prompts[i] for i in share], my_samples, adv.flatten(), False, tok.pad_token_id
+        [prompts[i] for i in share],
+        my_samples,
+        adv.flatten(),
+        cfg.overlong_filter,
+        tok.pad_token_id,
     )
     if cfg.dynamic_sampling:  # as collect_groups keeps: the informative groups, else the first one
         keep = [g for g in range(len(share)) if rewards[share.start + g].std() > 0] or [0]
@@ -219,6 +237,44 @@ def skips(out: Path, cases: dict[str, list]) -> None:
                 Path(out / f"{name}.{'skip' if skip else 'full'}.json").write_text(
                     json.dumps(dict(seqs=seqs, loss_tokens=tokens, grad_norm=upd.grad_norm))
                 )
+    distributed.close()
+
+
+def collect(out: Path):
+    rank, _ = distributed.init(120)
+    cfg = config(
+        train.Config,
+        engine="hf",
+        tensor_parallel_size=2,
+        prompts_per_step=4,
+        group_size=4,
+        max_new_tokens=4,
+        dynamic_sampling=True,
+        dynamic_sampling_max_tries=1,
+    )
+    task = train.load_task(cfg)
+    # the round's prompts, as collect_groups' stream will give them: the first one's group is
+    # informative under rank 0's reward (rewards 0, 1, 0, 1), every group under rank 1's
+    ids = data.PromptStream(len(task.train), cfg.run.seed).take(cfg.prompts_per_step)
+    golds = [task.train[i].answer for i in ids]
+    mixed = {golds[0]} if rank == 0 else set(golds)
+    calls = iter(range(10**6))
+    reward_fn = lambda text, gold: float(next(calls) % 2) if gold in mixed else 0.0  # noqa: E731
+    task = replace(task, reward_fn=reward_fn)
+    engine = rollout.HFEngine(task.path)
+    stream = data.PromptStream(len(task.train), cfg.run.seed)
+    groups = train.collect_groups(engine, task, stream, cfg, 1, {})
+    prompts = [task.train_prompts.index(p) for p in groups.prompts]
+    Path(f"{out}.rank{rank}").write_text(
+        json.dumps(
+            dict(
+                groups=prompts,
+                rewards=groups.rewards.tolist(),
+                informative=[i for i, gold in zip(ids, golds) if gold == golds[0]],
+                drawn=groups.drawn,
+            )
+        )
+    )
     distributed.close()
 
 
@@ -400,6 +456,7 @@ if __name__ == "__main__":
         "updates": lambda: updates(out, json.loads(sys.argv[3])),
         "skips": lambda: skips(out, json.loads(sys.argv[3])),
         "refit": lambda: refit(out, int(sys.argv[3])),
+        "collect": lambda: collect(out),
         "die": lambda: die(out),
         "policy": lambda: policy(out),
         "hang": lambda: hang(out),

@@ -184,6 +184,20 @@ def test_bf16_policies_give_the_float64_update_within_bf16s_error(updates, tiny_
     assert ranks < 0.02, ranks
 
 
+def test_tensor_parallel_ranks_with_dynamic_sampling_train_each_group_once(tmp_path):
+    # one engine over two ranks; one informative group under rank 0's reward, all under rank 1's:
+    # both ranks take rank 0's rewards, rank 0 keeps the informative group, and rank 1, whose part
+    # of the kept groups is empty, trains nothing (not a copy of a group rank 0 trains)
+    r = torchrun(2, "collect", tmp_path / "collect")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [json.loads((tmp_path / f"collect.rank{k}").read_text()) for k in (0, 1)]
+    assert got[0]["groups"] == got[0]["informative"]
+    assert all(len(set(rewards)) > 1 for rewards in got[0]["rewards"])
+    assert got[1]["groups"] == [] and got[1]["rewards"] == []
+    # the engine's draws counted once
+    assert got[0]["drawn"] == 4 and got[1]["drawn"] == 0
+
+
 def test_tied_embeddings_get_the_same_update_at_two_ranks(updates, tiny_path):
     # the tiny model ties its LM head to the embedding, as SmolLM2-135M (--model smollm2) does: one
     # tensor, two uses, whose gradient is the sum of both under FSDP2 as in one process
@@ -359,6 +373,12 @@ SKIPS = {
     # as dynamic sampling leaves a rank whose groups were all uniform: one of them, fewer rows
     "dynamic-sampling": (12, 2, 1e-3, "adamw", "ppo", 0, "rank1-uniform",
                          {"dynamic_sampling": True}),
+    # --overlong-filter: truncated rows have no loss token and are skipped like A = 0 ones
+    "overlong-filter": (12, 2, 1e-3, "adamw", "ppo", 0, "rank1-uniform",
+                        {"overlong_filter": True}),
+    # rank 1's first group (3) is not a multiple of the minibatch count: its groups must still go
+    # to the minibatches of their step-wide index
+    "six-groups": (12, 2, 1e-3, "adamw", "ppo", 0, "six-groups", {}),
     # nothing to learn anywhere: AdamW still steps (weight decay moves every weight)
     "all-uniform": (12, 2, 1e-3, "adamw", "ppo", 0, "uniform", {"weight_decay": 0.1}),
     # --no-share-prompt: one row per sample (SHARED: the same update as its shared twin's)
@@ -399,9 +419,13 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(skips, tiny_path, ca
     r = dist_worker.skip_rewards(kind).double()
     if flags.get("leave_one_out"):
         others = (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1)
-        informative = int((r != others).sum())
+        nonzero = r != others
     else:
-        informative = int((r != r.mean(1, keepdim=True)).sum())
+        nonzero = r != r.mean(1, keepdim=True)
+    if flags.get("overlong_filter"):  # a truncated row has no loss token
+        cut = [[dist_worker.truncated(i, j) for j in range(r.shape[1])] for i in range(r.shape[0])]
+        nonzero &= ~torch.tensor(cut)
+    informative = int(nonzero.sum())
     for n in (1, 2):
         rows = informative if not flags.get("dynamic_sampling") else None
         if rows is not None:

@@ -41,6 +41,7 @@ METRIC_KEYS = {
     "truncated_frac",
     "zero_var_group_frac",
     "trained_frac",
+    "trained_tokens",
 }
 
 
@@ -104,8 +105,79 @@ def test_a_step_with_nothing_to_learn_computes_no_sample(tmp_path):
     )
     rows = train.train(cfg)["history"][1:]
     assert [r["trained_frac"] for r in rows] == [0.0, 0.0]
+    # nothing measured the trainer's entropy or its agreement with the engine: null, not 0
+    assert all(r["trained_tokens"] == 0 for r in rows)
+    assert all(r[k] is None for r in rows for k in ("entropy", "token_mult_prob_error"))
     assert all(r["zero_var_group_frac"] == 1.0 and r["grad_norm"] == 0.0 for r in rows)
     assert all(r["skipped_updates"] == 0 for r in rows)  # both minibatches stepped
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_one_update_is_minus_the_gradient_of_the_whole_batchs_objective(
+    tiny_path, tok, token_level
+):
+    """Step 6 against the objective written out here in float64 from the model's own logits: one
+    unclipped SGD step at lr 1 over one minibatch of several micro-batches (shared prompts, some
+    rows skipped: A = 0 or overlong-filtered) moves each weight by minus the gradient of
+
+        token level:    L = -sum_i A_i sum_t log pi(y_it) / sum_i |y_i|
+        sequence level: L = -(1 / N) sum_i A_i / |y_i| sum_t log pi(y_it)
+
+    over the N rows that have loss tokens (at ratio 1 PPO's clipped term has the gradient of
+    A * log pi). A swapped normalizer, a lost row or a wrong temperature moves the step by far
+    more than the 1e-7 that HF's float32 RoPE tables leave in the packed rows' float64 gradient."""
+    g = torch.Generator().manual_seed(3)
+    P, G, temperature = 3, 4, 0.7
+    prompts = [tok(f"{a}+{a + 1}+7=")["input_ids"] for a in range(P)]
+    samples = [
+        rollout.Sample(i, torch.randint(4, 30, (n,), generator=g).tolist(), [-1.0] * n, n == 5)
+        for i in range(P)
+        for n in torch.randint(1, 6, (G,), generator=g).tolist()
+    ]
+    adv = torch.randn(P * G, generator=g, dtype=torch.float64)
+    adv[[1, 6]] = 0.0  # skipped rows
+    cfg = config(
+        train.Config,
+        prompts_per_step=P,
+        group_size=G,
+        micro_batch_tokens=24,
+        lr=1.0,
+        grad_clip=1e9,
+        weight_decay=0.0,
+        token_level=token_level,
+        temperature=temperature,
+        overlong_filter=True,
+    )
+    b = train.make_batch(prompts, samples, adv, True, tok.pad_token_id)
+    b = replace(b, gen_logp=b.gen_logp.double())
+    cpu = torch.device("cpu")
+    policy = model.load_trainable(tiny_path, cpu, False, dtype=torch.float64)
+    before = {n: p.detach().clone() for n, p in policy.lm.named_parameters()}
+    opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    upd = train.update_policy(policy, opt, sched, b, cfg, cpu)
+
+    # the same objective, independently: the HF model's own float64 forward, one row at a time
+    hf = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float64)
+    kept = [i for i, s in enumerate(samples) if not s.truncated]  # --overlong-filter
+    # the update computed only the rows with a loss term: A != 0 and not filtered out
+    assert upd.seqs == sum(int(adv[i] != 0) for i in kept) < len(kept) < P * G
+    n_tok = sum(len(samples[i].token_ids) for i in kept)
+    loss = torch.zeros((), dtype=torch.float64)
+    for i in kept:
+        s = samples[i]
+        ids = torch.tensor([prompts[s.prompt_idx] + s.token_ids])
+        logits = hf(ids).logits[0, len(prompts[s.prompt_idx]) - 1 : -1] / temperature
+        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None]).sum()
+        loss = loss - adv[i] * (lp / n_tok if token_level else lp / len(s.token_ids) / len(kept))
+    loss.backward()
+    for name, p in hf.named_parameters():
+        step = policy.lm.get_parameter(name).detach() - before[name]
+        assert ((step + p.grad).norm() / p.grad.norm()).item() < 1e-6, name
+    # the logged loss (ratio 1: the advantages' weighted sum) against the same normalizers
+    lens = torch.tensor([len(samples[i].token_ids) for i in kept], dtype=torch.float64)
+    want = -(adv[kept] * lens).sum() / n_tok if token_level else -adv[kept].sum() / len(kept)
+    assert upd.loss.loss == pytest.approx(float(want), rel=1e-9, abs=1e-12)
 
 
 def test_logs_compare_draws_runs_against_steps_and_minutes(tmp_path):
