@@ -371,6 +371,16 @@ def close(engine=None) -> None:
         dist.destroy_process_group()
 
 
+def from_main(obj):
+    """Rank 0's obj on every rank (picklable; a collective): what one rank must decide for all,
+    such as a folder named after rank 0's clock."""
+    if not _OURS:
+        return obj
+    out = [obj]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
 def gather_to_main(obj) -> list:
     """[obj of rank 0, obj of rank 1, ...] on rank 0 (picklable objects; a collective), []
     elsewhere; [obj] alone."""

@@ -338,7 +338,9 @@ class Run:
         self, cfg, label: str, show: dict[str, str], folder_prefix: str = "", sigint: bool = False
     ):
         self.cfg, self.run, self.label, self.show = cfg, cfg.run, label, show
-        self.out = Path(self.run.out_dir or f"runs/{folder_prefix}{time.strftime('%Y%m%d-%H%M%S')}")
+        # named by rank 0: ranks reach this seconds apart, and nodes' clocks differ
+        default = distributed.from_main(f"runs/{folder_prefix}{time.strftime('%Y%m%d-%H%M%S')}")
+        self.out = Path(self.run.out_dir or default)
         self.log_file = None
         if distributed.is_main():
             self.out.mkdir(parents=True, exist_ok=True)

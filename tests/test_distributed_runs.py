@@ -346,3 +346,57 @@ def test_eval_aime_under_torchrun_writes_what_one_process_writes(tmp_path, tiny_
         k: v for k, v in summary["one"].items() if k != "config"
     }
     assert "2 engines" in two.stdout and "pass@1" in two.stdout
+
+
+def test_ranks_without_out_dir_share_one_run_folder_that_resumes_and_exports(tmp_path, tiny_path):
+    # two nodes of one process each whose clocks read different hours (time zones): each would
+    # name runs/<date-time> from its own clock, and one checkpoint would be split over two folders
+    port = 30400 + os.getpid() % 100
+    cmd = [*RUN_FLAGS[RUN_FLAGS.index("--steps") + 2 :], "--steps", "2", "--checkpoint-every", "1"]
+    nodes = []
+    for r, tz in ((0, "UTC0"), (1, "EST5")):
+        env = dict(os.environ, OMP_NUM_THREADS="1", TZ=tz, **CPU_ONLY)
+        nodes.append(
+            subprocess.Popen(
+                [
+                    TORCHRUN,
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(r),
+                    "--master-addr",
+                    "127.0.0.1",
+                    "--nproc_per_node",
+                    "1",
+                    "--master_port",
+                    str(port),
+                    str(HERE.parent / "train.py"),
+                    *cmd,
+                ],  # fmt: skip
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    for p in nodes:
+        finished(p)
+    (run,) = (tmp_path / "runs").iterdir()
+    assert sorted(p.name for p in (run / "checkpoints" / "step_000002").glob("rank*.pt")) == [
+        "rank0.pt",
+        "rank1.pt",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **CPU_ONLY)
+    train_py = [sys.executable, str(HERE.parent / "train.py")]
+    r = subprocess.run(
+        [*train_py, *cmd[:-4], "--steps", "3", "--out-dir", str(run)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0 and "resumed from" in r.stdout + r.stderr, r.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [0, 1, 2, 3]
+    r = subprocess.run(
+        [*train_py, "export", str(run / "checkpoints" / "step_000002"), str(tmp_path / "hf")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0 and (tmp_path / "hf" / "config.json").exists(), r.stderr[-3000:]
