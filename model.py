@@ -468,7 +468,9 @@ class LogprobModel(torch.nn.Module):
             # rows are right-padded: under causal attention no real token sees a pad, so SDPA
             # needs no padding mask and skips the (query, key) pairs past the diagonal
             mask = None if self.packable else attention_mask
-            hidden = decoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
+            # no KV cache: HF would copy every layer's K/V into one and hold it to the end
+            hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)
+            hidden = hidden.last_hidden_state
             h = hidden[rows, pos - 1]  # [N, H]
         else:
             ids, positions, packed, where, first = pack_rows(
@@ -478,7 +480,11 @@ class LogprobModel(torch.nn.Module):
             # without one, HF would build a [Bp, Lp, Lp] mask from the positions' restarts
             unused = torch.ones(len(packs), 1, 1, 1, dtype=torch.bool, device=ids.device)
             hidden = decoder(
-                input_ids=ids, attention_mask=unused, position_ids=positions, packed=packed
+                input_ids=ids,
+                attention_mask=unused,
+                position_ids=positions,
+                packed=packed,
+                use_cache=False,
             ).last_hidden_state  # [Bp, Lp, H]
             if packed.calls < len(decoder.layers):
                 raise ValueError(

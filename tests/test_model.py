@@ -161,6 +161,21 @@ def test_shared_prompts_give_the_float64_logprobs_and_gradient(tiny_path, tok, p
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_trainers_decoder_keeps_no_kv_cache(tiny_path, tok, shared):
+    """Every trainer pass runs the decoder without a KV cache: with one, HF copies each layer's K
+    and V into it and holds them until the decoder returns (~230 MB at 8K tokens of a 1.5B model),
+    for nothing."""
+    input_ids, am, start, T, resp_lens = shared_prompt_batch(tok)
+    m = model.load_model(tiny_path)
+    caches = []
+    m.model.register_forward_hook(lambda mod, args, out: caches.append(out.past_key_values))
+    prompts = [tuple(r[:s]) for r, s in zip(input_ids.tolist(), start.tolist())]
+    packs = model.prompt_packs(prompts, resp_lens, 10_000) if shared else None
+    model.token_logprobs(m, input_ids, am, start, T, packs=packs)
+    assert caches == [None]
+
+
 def test_only_sdpa_models_share_a_prompt(tiny_path, tok):
     """Packed rows run HF's SDPA on each row's own tokens: a model on eager attention (whose own
     attention code may differ: soft-capping, sinks) keeps one row per sample, and says so if asked
