@@ -14,7 +14,9 @@ What it does:
   and an HF export take them (with LoRA: base and adapters merged).
 - token_logprobs: log pi(y_t | y_<t) of the response tokens, chunked over tokens so that float32
   logits over the vocabulary exist for at most `chunk_tokens` positions at a time, with or without
-  grad, through the LM head with a hand-written backward (HeadLogprob). The head's logits are
+  grad, through the LM head with a hand-written backward (HeadLogprob), with what the model's own
+  forward does to its logits (final_logits: a head bias, a logit scale, soft-capping); check_head
+  refuses, before training, a model whose logits it would get wrong. The head's logits are
   float32 from float32 operands on CPU and, on a GPU computing in bf16, from bf16 operands
   (head_logits), as vLLM's head computes them on each.
 - prompt_packs / shared-prompt rows: rows whose prompts are the same tokens (a group's samples) go
@@ -127,7 +129,44 @@ def load_trainable(
     if adapters is not None and adapters.on:
         lm = lora.wrap(lm, adapters)
     root = LogprobModel(lm)
+    check_head(root, path)
     return distributed.shard(root, lm, checkpointing, bf16_params).to(device)
+
+
+def check_head(root: "LogprobModel", name: str) -> None:
+    """Before training, on every rank alike: the trainer's logprobs of a few tokens against
+    log_softmax of the model's own forward logits. A model whose forward does to its logits what
+    final_logits does not is refused in one line (a wrong distribution would train silently). A
+    model whose packed rows give other logprobs than one row per sample (a mixer beside attention
+    that crosses from one response into the next, such as Falcon-H1's Mamba, or layers that do not
+    pass `packed` on) trains one row per sample, said once."""
+    lm = root.lm
+    V = lm.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids[1, :4] = ids[0, :4]  # two responses to one 4-token prompt
+    args = (ids, torch.ones_like(ids), torch.tensor([4, 4]), 4)
+    with torch.no_grad():
+        own = torch.log_softmax(lm(input_ids=ids, use_cache=False).logits[:, 3:-1].double(), -1)
+        own = own.gather(-1, ids[:, 4:, None])[..., 0]
+        ours = root(*args)[0].double()
+        off = (ours - own).abs().max().item()
+        if not off < 1e-3:
+            raise UserError(
+                f"{name}: the trainer's LM head does not compute {type(lm).__name__}'s own logits "
+                f"(logprobs off by up to {off:.3g}): its forward transforms them in a way "
+                "model.final_logits does not know"
+            )
+        if root.packable:
+            try:
+                packed = (root(*args, packs=[[0, 1]])[0].double() - ours).abs().max().item() < 1e-4
+            except ValueError:  # its layers do not pass `packed` on to their attention
+                packed = False
+            if not packed:
+                root.packable = False
+                distributed.print0(
+                    f"{name}: {type(lm).__name__}'s packed rows differ from one row per sample; "
+                    "each sample gets a row of its own (no --share-prompt)"
+                )
 
 
 def hf_weights(lm, dtype: torch.dtype | None = None):
@@ -190,6 +229,36 @@ def head_grads(
     return d_h.to(hidden.dtype), None if d_w is None else d_w.to(weight.dtype)
 
 
+def head_transform(lm) -> tuple[float, float]:
+    """(scale, softcap): what `lm`'s own forward does to h @ W^T + b before it returns logits, as
+    final = softcap * tanh(scale * (h @ W^T + b) / softcap) (no tanh for softcap 0). scale: Cohere's
+    logit_scale, 1 / Granite's logits_scaling, Falcon-H1's lm_head_multiplier; softcap: Gemma 2
+    and 3's final_logit_softcapping. A transform not named here is caught before training
+    (check_head)."""
+    c = lm.config.get_text_config()
+    scale = float(getattr(c, "logit_scale", None) or 1.0)
+    scale /= float(getattr(c, "logits_scaling", None) or 1.0)
+    scale *= float(getattr(c, "lm_head_multiplier", None) or 1.0)
+    return scale, float(getattr(c, "final_logit_softcapping", None) or 0.0)
+
+
+def final_logits(
+    hidden, weight, bias, bf16: bool, scale: float, softcap: float, temperature: float
+):
+    """The logits the model's own forward returns (head_logits, then the head's bias and
+    head_transform), divided by the sampling temperature: [n, H] -> [n, V], a fresh tensor."""
+    s = head_logits(hidden, weight, bf16)
+    if bias is not None:
+        s.add_(bias.to(s.dtype))
+    if scale != 1.0:
+        s.mul_(scale)
+    if softcap:
+        s.div_(softcap).tanh_().mul_(softcap)
+    if temperature != 1.0:
+        s.div_(temperature)
+    return s
+
+
 def bf16_head(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the LM head runs from bf16 operands (head_logits): on a GPU whose compute is bf16
     (autocast's, or FSDP2's bf16 parameters), as vLLM's head there. Elsewhere it stays float32 x
@@ -205,7 +274,8 @@ def bf16_head(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 class HeadLogprob(torch.autograd.Function):
     """log pi(y_t) [n] of the target tokens, and the entropy of pi [n] (a metric: no gradient), from
-    the final hidden states [n, H] through the LM head weight [V, H] at a temperature: with
+    the final hidden states [n, H] through the LM head (weight [V, H], bias [V] or None, and what
+    the model's forward does to its logits: final_logits) at a temperature: with
     s = logits / temperature,
 
         log pi(y_t) = s[y_t] - log sum_v exp(s_v)      H = -sum_v pi_v log pi_v
@@ -216,15 +286,26 @@ class HeadLogprob(torch.autograd.Function):
     from forward to backward is chosen by `keep`: the unnormalized probabilities exp(s - max) [n, V]
     (keep: backward is one pass over them), or only hidden, the weight and log Z, the logits
     recomputed in backward (one more matmul), so that a micro-batch of many chunks never holds more
-    than one chunk's [n, V] at once. A frozen head (LoRA) gets no weight gradient computed."""
+    than one chunk's [n, V] at once. A frozen head (LoRA) gets no weight gradient computed. Backward
+    then runs the chain rule through final_logits: tanh's 1 - tanh^2 (soft-capping: always the
+    recomputing path, which has the logits again), the scale, the bias's sum over rows."""
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, targets, temperature: float, with_entropy: bool, bf16: bool, keep: bool
+        ctx,
+        hidden,
+        weight,
+        bias,
+        targets,
+        temperature: float,
+        with_entropy: bool,
+        bf16: bool,
+        keep: bool,
+        scale: float = 1.0,
+        softcap: float = 0.0,
     ):
-        s = head_logits(hidden, weight, bf16)  # [n, V]
-        if temperature != 1.0:
-            s.div_(temperature)
+        keep = keep and not softcap
+        s = final_logits(hidden, weight, bias, bf16, scale, softcap, temperature)  # [n, V]
         m = s.amax(-1, keepdim=True)  # [n, 1]
         s.sub_(m)  # every exp below is at most 1
         logp = s.gather(-1, targets[:, None]).squeeze(-1)  # [n], less log Z below
@@ -241,8 +322,9 @@ class HeadLogprob(torch.autograd.Function):
         entropy = log_z - es / z if with_entropy else torch.zeros_like(logp)
         # keep: pi = p / z; else log Z of s, pi = exp(s - log Z)
         kept = (p, z) if keep else (m.squeeze(-1) + log_z, None)
-        ctx.save_for_backward(hidden, weight, targets, *kept)
+        ctx.save_for_backward(hidden, weight, bias, targets, *kept)
         ctx.temperature, ctx.bf16, ctx.keep = temperature, bf16, keep
+        ctx.scale, ctx.softcap = scale, softcap
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -251,17 +333,23 @@ class HeadLogprob(torch.autograd.Function):
         T = ctx.temperature
         # d logits = grad_logp (onehot(y_t) - pi) / T, as s = logits / T
         scale = grad_logp[:, None] / T  # [n, 1]
-        hidden, weight, targets, a, b = ctx.saved_tensors
+        hidden, weight, bias, targets, a, b = ctx.saved_tensors
+        cap = ctx.softcap
         if ctx.keep:  # a: exp(s - max) [n, V], b: its row sums z [n]
             g = a.mul_((-scale / b[:, None]).to(a.dtype))  # in place: backward runs once
         else:  # a: log Z [n] of s
-            g = head_logits(hidden, weight, ctx.bf16)  # [n, V], in place from here on
-            if T != 1.0:
-                g.div_(T)
-            g.sub_(a[:, None]).exp_().mul_((-scale).to(g.dtype))
+            g = final_logits(hidden, weight, bias, ctx.bf16, ctx.scale, cap, T)  # [n, V]
+            # soft-capping: d (cap tanh(x / cap)) / dx = 1 - tanh^2, tanh = s T / cap
+            tanh2 = (g * (T / cap)).square_() if cap else None
+            g.sub_(a[:, None]).exp_().mul_((-scale).to(g.dtype))  # in place from here on
         g.scatter_add_(-1, targets[:, None], scale.to(g.dtype))
+        if cap:
+            g.mul_(1 - tanh2)
+        if ctx.scale != 1.0:
+            g.mul_(ctx.scale)
+        d_bias = g.sum(0).to(bias.dtype) if ctx.needs_input_grad[2] else None
         d_hidden, d_weight = head_grads(g, hidden, weight, ctx.bf16, ctx.needs_input_grad[1])
-        return d_hidden, d_weight, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -421,6 +509,7 @@ class LogprobModel(torch.nn.Module):
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
+        self.transform = head_transform(lm)  # what its forward does to its logits (final_logits)
         self.packable = can_pack(lm)  # whether rows that share a prompt can share it (pack_rows)
         if self.packable:  # HF's SDPA, which also takes packed rows
             lm.set_attn_implementation(PACKED_ATTENTION)
@@ -496,13 +585,16 @@ class LogprobModel(torch.nn.Module):
             where, first = where[rows], first[rows]  # [N]
             col = torch.where(cols == 0, resp_start[rows] - 1, first + cols - 1)  # [N]
             h = hidden[where, col]  # [N, H]
-        w = self.lm.get_output_embeddings().weight  # [V, H]
+        head = self.lm.get_output_embeddings()
+        w, bias = head.weight, getattr(head, "bias", None)  # [V, H], [V] or None
         bf16 = bf16_head(h, w)
         logps, ents = [], []
         keep = h.shape[0] <= chunk_tokens
         for s in range(0, h.shape[0], chunk_tokens):
             c = slice(s, s + chunk_tokens)
-            lp, en = HeadLogprob.apply(h[c], w, targets[c], temperature, with_entropy, bf16, keep)
+            lp, en = HeadLogprob.apply(
+                h[c], w, bias, targets[c], temperature, with_entropy, bf16, keep, *self.transform
+            )
             logps.append(lp)
             ents.append(en)
         out_dtype = torch.promote_types(hidden.dtype, torch.float32)

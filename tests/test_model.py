@@ -269,7 +269,7 @@ def test_bf16_head_matches_float64_products_of_its_bf16_operands():
     (coef.double() * want).sum().backward()
     for keep in (False, True):  # the logits recomputed in backward, or the probabilities kept
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        lp, _ = model.HeadLogprob.apply(hh, ww, targets, 0.7, False, True, keep)
+        lp, _ = model.HeadLogprob.apply(hh, ww, None, targets, 0.7, False, True, keep)
         (coef * lp).sum().backward()
         torch.testing.assert_close(lp.double(), want.detach(), rtol=0, atol=1e-5)
         # the logits' gradient is rounded to bf16 (as head_grads' products take it): each entry to
