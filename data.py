@@ -18,6 +18,7 @@ chain sums), score (reward.py), or decide which prompts are too long (train.py d
 it).
 """
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -136,6 +137,13 @@ class PromptStream:
             self.buf += epoch
         out, self.buf = self.buf[:k], self.buf[k:]
         return out
+
+
+def fingerprint(*parts) -> str:
+    """A short digest of what a run trains on (its prompts' token ids and gold answers, or its
+    pairs): a checkpoint records it, and runtime.Run.resume refuses to continue its prompt stream,
+    which holds indices into that set, over another one."""
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
 def read_template(path: str) -> str | None:

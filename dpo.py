@@ -584,7 +584,8 @@ def train_dpo(cfg: DPOConfig) -> dict:
     # the run folder, metrics.jsonl, Ctrl-C (only a command-line run owns the process's Ctrl-C)
     show = dict(loss="loss", acc="reward_acc", heldout="heldout_pref_acc")
     run = runtime.Run(cfg, cfg.loss.upper(), show, "dpo-", sigint=__name__ == "__main__")
-    start = run.resume(policy, opt, sched, stream)  # the newest readable checkpoint's step, or 0
+    # the newest readable checkpoint's step, or 0; one saved over other pairs is refused
+    start = run.resume(policy, opt, sched, stream, data.fingerprint(train_pairs))
     if not start:  # step 0's row: the start weights' held-out figures
         run.log(0, evaluate(0) if run.eval_due(0) else {})
     share = cfg.batch_size // world

@@ -344,7 +344,6 @@ class Run:
         self.log_file = None
         if distributed.is_main():
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
             self.log_file = logs.RunLog(
                 self.out, self.run.tensorboard, self.run.wandb_project, asdict(cfg)
             )
@@ -354,13 +353,16 @@ class Run:
         self.bar = None
         self.t_start = self.t_step = time.time()
 
-    def resume(self, policy, opt, sched, stream) -> int:
+    def resume(self, policy, opt, sched, stream, train_set: str = "") -> int:
         """The step to continue after. With --resume (default) and a readable checkpoint in
         <out>/checkpoints, the weights, optimizer, schedule and data order continue from it (at any
         world size) and metrics.jsonl is cut back to its step; with checkpoints but none readable,
         UserError (checkpoint.resume); otherwise 0, and metrics.jsonl starts empty. With
         --no-resume an earlier run's checkpoints are replaced at this run's first save, and a line
-        says which."""
+        says which. `train_set` (data.fingerprint of what the run trains on) goes into every
+        checkpoint; one saved over another training set is refused in one line naming the flags
+        that changed (same_training_set). config.json is the first run's: a resume keeps it."""
+        self.train_set = train_set
         resumed = None
         folder = self.out / "checkpoints"
         if self.run.resume:
@@ -375,9 +377,11 @@ class Run:
                 )
         if resumed is None:
             if self.log_file:
+                (self.out / "config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
                 self.log_file.start(keep_until=None)
             return 0
         ckpt, start = resumed
+        same_training_set(ckpt, self.cfg, train_set)
         distributed.print0(f"resumed from {ckpt} at step {start}")
         self.history = self.log_file.start(keep_until=start) if self.log_file else []
         self.last_eval = next((heldout(r) for r in reversed(self.history) if heldout(r)), {})
@@ -456,7 +460,7 @@ class Run:
             opt,
             sched,
             stream,
-            {"config": asdict(self.cfg)},
+            {"config": asdict(self.cfg), "train_set": self.train_set},
             self.run.keep_checkpoints,
             replaced=self.replaced,
         )
@@ -493,6 +497,42 @@ class Run:
             print(json.dumps(line), flush=True)
         distributed.close(engine)
         return dict(history=self.history, out_dir=str(self.out))
+
+
+# the flags that choose the problems or pairs a run trains on, or which of them it keeps
+DATA_FLAGS = (
+    "task", "data", "val_data", "val_fraction", "seed", "model", "init_from", "max_seq_len",
+    "max_new_tokens", "max_prompt_len", "prompt_template", "problem_field", "answer_field",
+    "prompt_field", "chosen_field", "rejected_field",
+)  # fmt: skip
+
+
+def same_training_set(ckpt: Path, cfg, train_set: str) -> None:
+    """UserError when the checkpoint was saved over another training set than `train_set`: its
+    prompt stream would draw other problems (or indices past the end), naming the DATA_FLAGS whose
+    values differ from the checkpoint's config. A checkpoint that recorded none passes."""
+    meta = json.loads((ckpt / "meta.json").read_text())
+    if meta.get("train_set", train_set) == train_set:
+        return
+
+    def flat(d: dict) -> dict:  # the config's groups (run, loss, lora) as flat as its flags
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v) if isinstance(v, dict) else {k: v})
+        return out
+
+    was, now = flat(meta["config"]), flat(asdict(cfg))
+    changed = [
+        f"--{k.replace('_', '-')} {was.get(k)!r} -> {now[k]!r}"
+        for k in DATA_FLAGS
+        if k in now and was.get(k) != now[k]
+    ]
+    raise UserError(
+        f"{ckpt} was saved training on another set of problems than this command's "
+        f"({', '.join(changed) or 'the same flags: the data changed'}); its prompt stream indexes "
+        "that set: pass the flags it was saved with, or --no-resume or another --out-dir to start "
+        "over"
+    )
 
 
 def heldout(row: dict) -> dict:

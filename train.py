@@ -218,7 +218,8 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     run = runtime.Run(cfg, "GRPO", SHOW, sigint=__name__ == "__main__")
     pad = task.tok.pad_token_id
 
-    start = run.resume(policy, opt, sched, stream)  # the newest readable checkpoint's step, or 0
+    # the newest readable checkpoint's step, or 0; one saved over other problems is refused
+    start = run.resume(policy, opt, sched, stream, task.fingerprint)
     if start:  # the engine samples from the resumed weights
         engine.load_weights(model.hf_weights(policy.lm, dtype))
     else:  # step 0's row: the start weights' held-out figures
@@ -876,6 +877,10 @@ class Task:
     train_prompts: list[list[int]]  # token ids of each training prompt
     heldout: list[data.Problem]  # the first --eval-prompts held-out problems that fit
     heldout_prompts: list[list[int]]
+
+    @property
+    def fingerprint(self) -> str:  # what the prompt stream indexes (runtime.Run.resume)
+        return data.fingerprint(self.train_prompts, [p.answer for p in self.train])
 
 
 def load_task(cfg: Config) -> Task:
