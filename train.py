@@ -72,6 +72,9 @@ class Config:
     # GPU memory share vLLM may take for its weights and KV cache while it generates (it frees it
     # while the trainer runs); the stage presets size it to the stage's KV cache
     gpu_memory_utilization: float = 0.6
+    # CPU: vLLM's KV cache in GiB; 0 = room for this rank's engine's share of a step (its P x G
+    # sequences of --max-seq-len: memory.engine_kv_cache_gib), so that none is preempted
+    kv_cache_gib: float = 0.0
     # the task
 
     # sum3: the synthetic demo task; math: problems from --data, boxed answers
@@ -211,7 +214,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     policy, ref = load_policy_and_ref(cfg, task.path, device)
     dtype = torch.bfloat16 if bf16 else torch.float32  # the engine's weights
     own_engine = engine is None  # an engine the caller brought is the caller's to close
-    engine = engine or make_engine(cfg, task.path, dtype, device)
+    engine = engine or make_engine(cfg, task, dtype, device)
     opt, sched = runtime.optimizer(policy, cfg.run)
     stream = data.PromptStream(len(task.train), cfg.run.seed)
     # the run folder, metrics.jsonl, Ctrl-C (only a command-line run owns the process's Ctrl-C)
@@ -948,7 +951,20 @@ def prompt_limit(cfg: Config) -> int:
     return cfg.max_prompt_len or cfg.max_seq_len - cfg.max_new_tokens
 
 
-def make_engine(cfg: Config, path: str, dtype: torch.dtype, device) -> rollout.Engine:
+def kv_cache_gib(
+    cfg: Config, s: memory.Shape, world: int, dtype_bytes: int, seq_len: int = 0
+) -> float:
+    """--kv-cache-gib, else room for the sequences one engine holds in a step (P / engines x G of
+    `seq_len` tokens, default --max-seq-len), each of its tensor-parallel ranks a 1 / TP part of
+    the heads."""
+    engines = max(world // cfg.tensor_parallel_size, 1)
+    seqs = cfg.prompts_per_step // engines * cfg.group_size
+    need = memory.engine_kv_cache_gib(s, seqs, seq_len or cfg.max_seq_len, dtype_bytes)
+    return cfg.kv_cache_gib or need / cfg.tensor_parallel_size
+
+
+def make_engine(cfg: Config, task: Task, dtype: torch.dtype, device) -> rollout.Engine:
+    path = task.path
     if cfg.engine == "hf":
         return rollout.HFEngine(
             path, dtype=dtype, trust_remote_code=cfg.run.trust_remote_code, device=device
@@ -963,6 +979,14 @@ def make_engine(cfg: Config, path: str, dtype: torch.dtype, device) -> rollout.E
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         tensor_parallel_size=tp,
         trust_remote_code=cfg.run.trust_remote_code,
+        # the longest sequence a step can make: its longest prompt and a full response
+        kv_cache_gib=kv_cache_gib(
+            cfg,
+            memory.Shape.from_config(path),
+            distributed.world_size(),
+            dtype.itemsize,
+            min(max(map(len, task.train_prompts)) + cfg.max_new_tokens, cfg.max_seq_len),
+        ),
     )
 
 
@@ -1066,12 +1090,22 @@ def memory_need_gib(
 ) -> float:
     """memory.py's estimate of one process's peak on CPU for this run, from the shape in the model's
     config.json: the trainer (sharded over `world`), its engine, and one micro-batch of the worst
-    case: rows of --max-seq-len."""
+    case: rows of --max-seq-len (with --share-prompt, packs of a long prompt and full responses,
+    whose attention keeps each row's prompt again)."""
     L = cfg.max_seq_len
     seqs = cfg.prompts_per_step // world * cfg.group_size  # this rank's sequences per step
     mb_seqs = cfg.minibatch_size // world if cfg.minibatch_size else seqs
     rows = max(1, min(micro_batch_tokens // L, mb_seqs))
-    kv_gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) if cfg.engine == "vllm" else 0.0
+    attention = rows * L
+    if cfg.share_prompt:  # a pack of k rows costs P + k R budget tokens; attention keeps k (P + R)
+        R = min(cfg.max_new_tokens, L)
+        k = min(cfg.group_size, max((micro_batch_tokens - L + R) // max(R, 1), 1))
+        attention = rows * L * k * L // (L - R + k * R)
+    env = os.environ.get("VLLM_CPU_KVCACHE_SPACE")  # vLLM's own setting wins over ours
+    kv_gib = (
+        float(env) if env else kv_cache_gib(cfg, s, world, 2 if cfg.run.dtype == "bfloat16" else 4)
+    )
+    kv_gib = kv_gib if cfg.engine == "vllm" else 0.0
     rows_gib = memory.estimate(
         s,
         rows * L,
@@ -1084,9 +1118,10 @@ def memory_need_gib(
         lora_rank=cfg.lora.lora_rank,
         reference=cfg.loss.kl_beta > 0,
         seq_len=L,
+        attention_tokens=attention,
     )
     if cfg.engine == "hf":  # a float32 copy of the model, and no KV cache reserved
-        rows_gib["vLLM's own buffers (CPU)"] = 0.0
+        rows_gib["vLLM's own libraries and buffers (CPU)"] = 0.0
     return memory.totals(rows_gib)["process peak (trainer + engine + libraries)"]
 
 

@@ -1,6 +1,12 @@
 """memory.py against a measurement: autocast's bf16 weight copies that a forward keeps for backward
 when activation checkpointing is off, counted on the tiny base with saved_tensors_hooks."""
 
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
 import torch
 
 import memory
@@ -44,3 +50,74 @@ def test_autocast_weight_copies_are_what_a_forward_keeps_for_backward(tiny_path,
     for kw in (dict(checkpointing=True, precision="autocast"), dict(checkpointing=False)):
         row = memory.estimate(s, 14, ranks=1, device="gpu", **kw)
         assert row["autocast's bf16 weight copies, kept for backward"] == 0, kw
+
+
+def test_a_steps_engine_kv_cache_holds_every_sequence_of_the_step():
+    # the bench's SmolLM2 step, 16 prompts x 8 samples of up to 58 + 128 tokens, float32: K and V of
+    # 30 layers x 3 KV heads x 64 dimensions a token, in vLLM's CPU blocks of 128 tokens (a fixed
+    # 1 GiB held 1.04 GiB of it: vLLM preempted and recomputed)
+    import train
+    from runtime import config
+
+    smollm2 = memory.Shape(576, 1536, 30, 9, 3, 49152, True)
+    need = 16 * 8 * 256 * 2 * 30 * 3 * 64 * 4 / 2**30  # two blocks a sequence
+    cfg = config(train.Config, prompts_per_step=16, group_size=8, max_seq_len=58 + 128)
+    assert train.kv_cache_gib(cfg, smollm2, 1, 4) == need  # 1.41 GiB
+    # two engines of two ranks each: half the prompts an engine, half its heads a rank
+    tp = config(
+        train.Config, prompts_per_step=16, group_size=8, max_seq_len=186, tensor_parallel_size=2
+    )
+    assert train.kv_cache_gib(tp, smollm2, 4, 4) == need / 4
+    assert train.kv_cache_gib(replace(cfg, kv_cache_gib=3.0), smollm2, 1, 4) == 3.0  # the flag
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_the_tiny_runs_estimate_is_within_twice_its_measured_peak(tmp_path, tiny_path, engine):
+    # the pre-flight's estimate (train.memory_need_gib) against a demo run's own peak RSS, at the
+    # shape it estimates: every row --max-seq-len long (64), micro-batches of 8,192 tokens
+    import train
+    from runtime import config
+
+    flags = ["--engine", engine, "--steps", "2", "--eval-every", "0", "--max-new-tokens", "56"]
+    flags += ["--min-new-tokens", "56", "--no-save-final", "--quiet", "--out-dir", str(tmp_path)]
+    code = (
+        "import resource, runpy, sys; sys.argv = ['train.py'] + sys.argv[1:]; "
+        "runpy.run_path('train.py', run_name='__main__'); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(
+        [sys.executable, "-c", code, *flags], cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    peak = int(r.stdout.split()[-1]) / 2**20  # KiB -> GiB
+    cfg = config(train.Config, engine=engine, max_new_tokens=56, min_new_tokens=56)
+    shape = memory.Shape.from_config(tiny_path)
+    run = cfg.run
+    est = train.memory_need_gib(cfg, shape, 1, run.activation_checkpointing, run.micro_batch_tokens)
+    print(f"{engine}: estimate {est:.2f} GiB, measured {peak:.2f} GiB")
+    assert peak <= est <= 2 * peak
+
+
+def test_shared_prompts_count_the_attention_tensors_packed_rows_keep():
+    # a pack of a 1,024-token prompt and 8 responses of 256 costs 3,072 budget tokens, but
+    # model.packed_attention keeps q, k, v and the output for each row's own 1,280 tokens: 10,240
+    s = memory.Shape()  # R1-Distill-Qwen-1.5B: 12 heads of 128
+    rows = {
+        n: memory.estimate(s, 3072, device="cpu", checkpointing=False, seq_len=1280, **kw)
+        for n, kw in (("unpacked", {}), ("packed", dict(attention_tokens=10240)))
+    }
+    key = "activations (one micro-batch)"
+    extra = 4 * 4 * 12 * 128 * (10240 - 3072) * (s.layers + 1) / 2**30  # float32, every layer
+    assert rows["packed"][key] - rows["unpacked"][key] == pytest.approx(extra, rel=1e-9)
+    # and train.py's pre-flight asks for it with --share-prompt
+    import train
+    from runtime import config
+
+    cfg = config(train.Config, max_seq_len=1280, max_new_tokens=256, micro_batch_tokens=3072)
+    shared, unshared = (
+        train.memory_need_gib(replace(cfg, share_prompt=on), s, 1, False, 3072)
+        for on in (True, False)
+    )
+    assert shared > unshared

