@@ -142,6 +142,19 @@ def test_the_trainers_logprobs_and_gradient_are_the_models_own(family):
     assert trainer.packable == (family not in UNPACKED)  # the packed path ran on every other
 
 
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in UNPACKED])
+def test_packed_rows_give_one_row_per_samples_float32_logprobs(family):
+    # float32, the CPU trainer's precision, GQA included: each row's attention is an SDPA call on
+    # the same tokens, batched otherwise (float32 rounding: ~5e-7 seen)
+    trainer = model.LogprobModel(tiny(family).float())
+    seqs, ids, am, start, T = rows(seed=2)
+    packs = model.prompt_packs([tuple(p) for p, _ in seqs], [len(r) for _, r in seqs], 10_000)
+    with torch.no_grad():
+        one, _ = trainer(ids, am, start, T, 0.7)
+        packed, _ = trainer(ids, am, start, T, 0.7, packs=packs)
+    assert len(packs) < len(seqs) and (one - packed).abs().max().item() < 1e-5
+
+
 def test_a_model_whose_packed_rows_mix_responses_trains_one_row_per_sample(capsys):
     trainer = model.LogprobModel(tiny("falcon-h1"))
     assert trainer.packable  # its attention is SDPA and it has no sliding window, but
