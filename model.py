@@ -101,13 +101,24 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
+def attention(lm) -> str:
+    """The attention HF runs the model with here: SDPA, or eager where SDPA would drop an attention
+    soft-cap (Gemma 2's attn_logit_softcapping, which eager attention and vLLM apply)."""
+    return (
+        "eager" if getattr(lm.config.get_text_config(), "attn_logit_softcapping", None) else "sdpa"
+    )
+
+
 def load_model(path: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        lm = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code
         )
     except ValueError as err:
         _needs_remote_code(path, err)
+    if lm.config._attn_implementation == "sdpa":
+        lm.set_attn_implementation(attention(lm))
+    return lm
 
 
 def load_trainable(
@@ -126,11 +137,23 @@ def load_trainable(
     device, so no GPU holds the whole float32 model (distributed.shard). bf16 compute is FSDP2's
     policy with `bf16_params` (runtime.fsdp_bf16), else autocast's (runtime.autocast)."""
     lm = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    no_dropout(lm)
     if adapters is not None and adapters.on:
         lm = lora.wrap(lm, adapters)
     root = LogprobModel(lm)
     check_head(root, path)
     return distributed.shard(root, lm, checkpointing, bf16_params).to(device)
+
+
+def no_dropout(lm) -> None:
+    """Dropout off in every layer, training mode or not: the update's logprobs must be those of the
+    policy that sampled (a config with dropout, Phi-2's resid_pdrop 0.1, would train a randomly
+    thinned copy of it). The trainer keeps train() for HF's activation checkpointing."""
+    for m in lm.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
 
 
 def check_head(root: "LogprobModel", name: str) -> None:
@@ -381,12 +404,16 @@ PACKED_ATTENTION = "grpo_packed_sdpa"
 
 
 def can_pack(lm) -> bool:
-    """Whether the model takes pack_rows' layout: HF's SDPA attention (which packed_attention runs
-    on each row's own tokens) and no sliding window (which the segments would not apply)."""
+    """Whether the model takes pack_rows' layout, as its config tells: HF's SDPA attention (which
+    packed_attention runs on each row's own tokens), no sliding window (which the segments would
+    not apply), and attention its only mixer (a Mamba, convolution or linear-attention layer in
+    layer_types would carry one response's state into the next). What the config does not tell,
+    check_head finds."""
     c = lm.config
     return (
         c._attn_implementation in ("sdpa", PACKED_ATTENTION)
         and getattr(c, "sliding_window", None) is None
+        and {*(getattr(c, "layer_types", None) or ())} <= {"full_attention", "sliding_attention"}
     )
 
 
@@ -554,11 +581,12 @@ class LogprobModel(torch.nn.Module):
         targets = input_ids[rows, pos]  # [N]
         decoder = self.lm.get_decoder()
         if packs is None:
-            # rows are right-padded: under causal attention no real token sees a pad, so SDPA
-            # needs no padding mask and skips the (query, key) pairs past the diagonal
-            mask = None if self.packable else attention_mask
-            # no KV cache: HF would copy every layer's K/V into one and hold it to the end
-            hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)
+            # rows are right-padded: under causal attention no real token sees a pad, so the
+            # decoder needs no padding mask (HF builds the causal one, with any sliding window) and
+            # SDPA skips the pairs past the diagonal; with one, eager attention's fully masked pad
+            # rows give NaN (Gemma 2, float64) that backward spreads. No KV cache: HF would copy
+            # every layer's K/V into one and hold it to the end
+            hidden = decoder(input_ids=input_ids, attention_mask=None, use_cache=False)
             hidden = hidden.last_hidden_state
             h = hidden[rows, pos - 1]  # [N, H]
         else:

@@ -458,7 +458,9 @@ class HFEngine:
             # only while those stay small (<= 256 MiB a layer)
             heads = self.model.config.num_attention_heads
             small = len(flat) * heads * width * width * 4 <= 2**28
-            self.model.set_attn_implementation("eager" if fast and small else "sdpa")
+            self.model.set_attn_implementation(
+                "eager" if fast and small else model.attention(self.model)
+            )
         greedy = temperature == 0
         rec = _SampledLogprobs(temperature or 1.0)
         out = self.model.generate(

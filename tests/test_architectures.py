@@ -79,6 +79,7 @@ def tiny(family: str, **over):
     kw = {k: v for k, v in kw.items() if v is not None or k == "sliding_window"}
     torch.manual_seed(0)
     m = tf.AutoModelForCausalLM.from_config(cls(**kw), dtype=torch.float64)
+    m.set_attn_implementation(model.attention(m))  # as model.load_model: Gemma 2 on eager
     bias = getattr(m.get_output_embeddings(), "bias", None)
     if bias is not None:  # a head bias far from 0, so that leaving it out shows
         torch.nn.init.normal_(bias, std=1.0)
@@ -156,11 +157,27 @@ def test_packed_rows_give_one_row_per_samples_float32_logprobs(family):
 
 
 def test_a_model_whose_packed_rows_mix_responses_trains_one_row_per_sample(capsys):
-    trainer = model.LogprobModel(tiny("falcon-h1"))
-    assert trainer.packable  # its attention is SDPA and it has no sliding window, but
+    m = tiny("falcon-h1")
+    assert not model.can_pack(m)  # its config's layer_types say "hybrid"; one whose config did not:
+    trainer = model.LogprobModel(m)
+    trainer.lm.set_attn_implementation(model.PACKED_ATTENTION)
+    trainer.packable = True
     model.check_head(trainer, "tiny-falcon-h1")
     assert not trainer.packable
     assert "tiny-falcon-h1: FalconH1ForCausalLM's packed rows differ" in capsys.readouterr().out
+
+
+def test_the_trainer_runs_no_dropout_in_training_mode(tmp_path):
+    # a config with dropout (Phi-2's resid_pdrop is 0.1): the update's forward (train(), for HF's
+    # activation checkpointing) gives the logprobs of the policy that sampled, every time
+    m = tiny("phi (head bias)", resid_pdrop=0.3, embd_pdrop=0.3, attention_dropout=0.3).float()
+    m.save_pretrained(tmp_path)
+    policy = model.load_trainable(str(tmp_path), torch.device("cpu"), False).train()
+    seqs, ids, am, start, T = rows()
+    with torch.no_grad():
+        a, b = (policy(ids, am, start, T)[0] for _ in range(2))
+        want = own_logprobs(m.eval().double(), seqs, T, 1.0)
+    assert torch.equal(a, b) and (a.double() - want).abs().max().item() < 1e-4
 
 
 class ScaledHead(torch.nn.Linear):
