@@ -24,6 +24,7 @@ What it does not do: train, or score any other way than reward.py does.
 import functools
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -33,6 +34,7 @@ import tyro
 
 import data
 import distributed
+import memory
 import model
 import reward
 import rollout
@@ -261,8 +263,16 @@ def main(cfg: EvalConfig, engine=None) -> dict:
             trust_remote_code=cfg.trust_remote_code,
             device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu",
         )
+    kv = {}  # CPU: room for this engine's samples at once, within half the memory free now
+    if engine is None and not torch.cuda.is_available():
+        shape = memory.Shape.from_config(path, cfg.trust_remote_code)
+        width = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+        need = memory.engine_kv_cache_gib(shape, (last - first) * cfg.k, max_len, width, tp)
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+        kv["kv_cache_gib"] = min(need, max(free / 2 / distributed.local_world_size(), 1.0))
     engine = engine or rollout.VLLMEngine(
         path,
+        **kv,
         max_model_len=max_len,
         seed=cfg.seed,
         dtype=cfg.dtype,

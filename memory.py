@@ -63,12 +63,12 @@ class Shape:
     head_dim: int = 0  # 0: hidden / heads (Qwen3 and Gemma set their own)
 
     @classmethod
-    def from_config(cls, path: str) -> "Shape":
+    def from_config(cls, path: str, trust_remote_code: bool = False) -> "Shape":
         """The shape of an HF model folder, or of a built-in base by name (`smollm2`, `tiny`:
         model.resolve)."""
         import model  # here: model.resolve builds a built-in base on first use
 
-        c = AutoConfig.from_pretrained(model.resolve(path))
+        c = AutoConfig.from_pretrained(model.resolve(path), trust_remote_code=trust_remote_code)
         return cls(
             c.hidden_size,
             c.intermediate_size,
@@ -102,12 +102,19 @@ class Shape:
         return rank * (9 * H + 2 * kv + 3 * I) * self.layers
 
 
-def engine_kv_cache_gib(s: Shape, seqs: int, seq_len: int, dtype_bytes: int = 4) -> float:
-    """vLLM's CPU KV cache for `seqs` sequences of up to `seq_len` tokens held at once (one
-    engine's share of a step: P / engines x G), in vLLM's CPU blocks of 128 tokens: room for every
-    sequence of the step, so that none is preempted and recomputed (a fixed 1 GiB held 1.04 GiB of
-    SmolLM2's float32 K/V at 16 x 8 x 186 tokens)."""
-    return seqs * -(-seq_len // 128) * 128 * s.kv_bytes_per_token(dtype_bytes) / GiB
+def engine_kv_cache_gib(
+    s: Shape, seqs: int, seq_len: int, dtype_bytes: int = 4, tp: int = 1
+) -> float:
+    """vLLM's CPU KV cache, on each of an engine's `tp` workers, for `seqs` sequences of up to
+    `seq_len` tokens held at once (one engine's share of a step: P / engines x G), in vLLM's CPU
+    blocks of 128 tokens: room for every sequence of the step, so that none is preempted and
+    recomputed (a fixed 1 GiB held 1.04 GiB of SmolLM2's float32 K/V at 16 x 8 x 186 tokens). vLLM
+    keeps one block for itself (its null block), and on CPU runs at most 256 sequences a worker at
+    once; a worker holds 1 / tp of the KV heads (rounded up: replicated where there are fewer)."""
+    blocks = min(seqs, 256 * tp) * -(-seq_len // 128) + 1
+    head_dim = s.head_dim or s.hidden // s.heads
+    per_token = 2 * s.layers * -(-s.kv_heads // tp) * head_dim * dtype_bytes
+    return blocks * 128 * per_token / GiB
 
 
 def estimate(

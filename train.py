@@ -957,10 +957,10 @@ def kv_cache_gib(
     """--kv-cache-gib, else room for the sequences one engine holds in a step (P / engines x G of
     `seq_len` tokens, default --max-seq-len), each of its tensor-parallel ranks a 1 / TP part of
     the heads."""
-    engines = max(world // cfg.tensor_parallel_size, 1)
-    seqs = cfg.prompts_per_step // engines * cfg.group_size
-    need = memory.engine_kv_cache_gib(s, seqs, seq_len or cfg.max_seq_len, dtype_bytes)
-    return cfg.kv_cache_gib or need / cfg.tensor_parallel_size
+    tp = cfg.tensor_parallel_size
+    seqs = cfg.prompts_per_step // max(world // tp, 1) * cfg.group_size
+    L = seq_len or cfg.max_seq_len
+    return cfg.kv_cache_gib or memory.engine_kv_cache_gib(s, seqs, L, dtype_bytes, tp)
 
 
 def make_engine(cfg: Config, task: Task, dtype: torch.dtype, device) -> rollout.Engine:
@@ -970,6 +970,12 @@ def make_engine(cfg: Config, task: Task, dtype: torch.dtype, device) -> rollout.
             path, dtype=dtype, trust_remote_code=cfg.run.trust_remote_code, device=device
         )
     tp = cfg.tensor_parallel_size
+    kv = {}  # on GPU the KV cache is what --gpu-memory-utilization leaves: no config read for it
+    if device.type == "cpu":  # the longest sequence a step can make: its longest prompt, in full
+        longest = min(max(map(len, task.train_prompts)) + cfg.max_new_tokens, cfg.max_seq_len)
+        shape = memory.Shape.from_config(path, cfg.run.trust_remote_code)
+        world = distributed.world_size()
+        kv["kv_cache_gib"] = kv_cache_gib(cfg, shape, world, dtype.itemsize, longest)
     return rollout.VLLMEngine(
         path,
         max_model_len=cfg.max_seq_len,
@@ -979,14 +985,7 @@ def make_engine(cfg: Config, task: Task, dtype: torch.dtype, device) -> rollout.
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         tensor_parallel_size=tp,
         trust_remote_code=cfg.run.trust_remote_code,
-        # the longest sequence a step can make: its longest prompt and a full response
-        kv_cache_gib=kv_cache_gib(
-            cfg,
-            memory.Shape.from_config(path),
-            distributed.world_size(),
-            dtype.itemsize,
-            min(max(map(len, task.train_prompts)) + cfg.max_new_tokens, cfg.max_seq_len),
-        ),
+        **kv,
     )
 
 
@@ -1044,6 +1043,12 @@ def validate(cfg: Config, world: int) -> None:
                 0 < cfg.gpu_memory_utilization < 1,
                 f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: "
                 "must be a fraction in (0, 1)",
+            ),
+            (cfg.kv_cache_gib >= 0, f"--kv-cache-gib {cfg.kv_cache_gib}: must be 0 (auto) or more"),
+            (  # vLLM reads it with int(): "1.5" would stop the run in vLLM's start-up
+                (os.environ.get("VLLM_CPU_KVCACHE_SPACE") or "0").isdigit(),
+                f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE')}: vLLM takes "
+                "whole GiB (--kv-cache-gib takes fractions)",
             ),
             (
                 cfg.tensor_parallel_size >= 1
@@ -1136,7 +1141,8 @@ def check_memory(cfg: Config, world: int) -> None:
         meminfo = dict(line.split(":", 1) for line in f)
     have = int(meminfo["MemAvailable"].split()[0]) / 2**20 / distributed.local_world_size()
     ckpt, budget = cfg.run.activation_checkpointing, cfg.run.micro_batch_tokens
-    shape = memory.Shape.from_config(model_path(cfg))  # config.json, read once for every try below
+    # config.json, read once for every try below
+    shape = memory.Shape.from_config(model_path(cfg), cfg.run.trust_remote_code)
     need = memory_need_gib(cfg, shape, world, ckpt, budget)
     if need <= have:
         return

