@@ -4,6 +4,7 @@ load; the curves PNG."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -270,24 +271,35 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_in_one_line(
 def test_a_resume_over_other_problems_is_refused_and_the_first_config_kept(tmp_path):
     # the prompt stream a checkpoint restores holds indices into the set it trained on: another
     # --val-fraction splits math_tiny.jsonl into another training set
-    flags = (
-        f"--task math --data {ROOT / 'tests' / 'fixtures' / 'math_tiny.jsonl'} --max-seq-len 256 "
-    )
-    flags += "--max-new-tokens 8 --prompts-per-step 4 --group-size 2 --eval-every 0 --engine hf "
-    flags += f"--checkpoint-every 1 --no-save-final --quiet --out-dir {tmp_path}"
+    import train
+    from checks import UserError
+    from runtime import config
 
-    def train(*extra) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, str(ROOT / "train.py"), *flags.split(), *extra]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    def cfg(steps: int, val_fraction: float):
+        return config(
+            train.Config,
+            task="math",
+            data=str(ROOT / "tests" / "fixtures" / "math_tiny.jsonl"),
+            val_fraction=val_fraction,
+            max_seq_len=256,
+            max_new_tokens=8,
+            prompts_per_step=4,
+            group_size=2,
+            eval_every=0,
+            engine="hf",
+            checkpoint_every=1,
+            save_final=False,
+            quiet=True,
+            out_dir=str(tmp_path),
+            steps=steps,
+        )
 
-    r = train("--steps", "1", "--val-fraction", "0.2")
-    assert r.returncode == 0, r.stderr[-3000:]
+    train.train(cfg(1, 0.2))
     first = json.loads((tmp_path / "config.json").read_text())
-    r = train("--steps", "2", "--val-fraction", "0.3")
-    assert r.returncode == 2, r.stderr[-3000:]
     ckpt = tmp_path / "checkpoints" / "step_000001"
-    want = f"error: {ckpt} was saved training on another set of problems than this command's "
-    assert r.stderr.strip().splitlines()[-1].startswith(want + "(--val-fraction 0.2 -> 0.3)")
-    r = train("--steps", "2", "--val-fraction", "0.2")  # its own flags: resumes
-    assert r.returncode == 0 and "resumed from" in r.stdout + r.stderr, r.stderr[-3000:]
+    want = f"{ckpt} was saved training on another set of problems than this command's "
+    with pytest.raises(UserError, match=re.escape(want + "(--val-fraction 0.2 -> 0.3)")):
+        train.train(cfg(2, 0.3))
+    rows = train.train(cfg(2, 0.2))["history"]  # its own flags: resumes
+    assert [r["step"] for r in rows] == [0, 1, 2]
     assert json.loads((tmp_path / "config.json").read_text()) == first  # steps 1, not 2
