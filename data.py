@@ -1,5 +1,5 @@
-"""Problems for training and evaluation: math datasets, their prompts, the held-out split and the
-prompt order.
+"""Problems for training and evaluation: math datasets, their prompts, the held-out split, the
+prompt order, and the task a GRPO run loads from them.
 
 What it does:
 - load_problems: problems from a local .jsonl, .json or .parquet file, or an HF dataset name through
@@ -12,19 +12,25 @@ What it does:
   template file of the user's (read_template).
 - split and PromptStream: the held-out split and the endless, seeded, resumable order of training
   rows.
+- load_task: train.py's task (Task): the problems (--task sum3: the demo's, from demo/tasks.py
+  loaded by path; math: --data and --val-data), the tokenizer, every prompt's token ids (prompts
+  longer than prompt_limit dropped, counted and reported) and the reward function.
 
-What it does not do: the built-in tasks of the demos (demo/tasks.py: the sum of three digits, the
-chain sums), score (reward.py), or decide which prompts are too long (train.py does, and reports
-it).
+What it does not do: build the demos' tasks (demo/tasks.py), or score (reward.py).
 """
 
+import functools
 import hashlib
 import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from checks import UserError
+import distributed
+import model
+import reward
+import user_reward
+from checks import UserError, demo_function
 
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
@@ -185,3 +191,93 @@ def math_prompt(tok, problem: str, template: str | None = None) -> list[int]:
             return_dict=False,
         )
     return tok(text)["input_ids"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The run's task: problems, prompts, tokenizer and reward, as train.py's loop uses them
+
+
+@dataclass
+class Task:
+    """The run's problems as the loop uses them."""
+
+    path: str  # the start weights (--init-from, or --model resolved)
+    tok: object  # the model's tokenizer
+    # reward.exact_reward (sum3), reward.math_reward (--answer), or --reward's user_reward.Guarded
+    reward_fn: object
+    train: list[Problem]
+    train_prompts: list[list[int]]  # token ids of each training prompt
+    heldout: list[Problem]  # the first --eval-prompts held-out problems that fit
+    heldout_prompts: list[list[int]]
+
+    @property
+    def fingerprint(self) -> str:  # what the prompt stream indexes (runtime.Run.resume)
+        return fingerprint(self.train_prompts, [p.answer for p in self.train])
+
+    def reward_failures(self) -> int:
+        """The samples --reward FILE:FUNCTION failed on (scored 0) since the last call; 0 for a
+        built-in reward."""
+        return getattr(self.reward_fn, "take_failures", lambda: 0)()
+
+
+def load_task(cfg) -> Task:
+    """Problems (a bad row raises data.DataError before any model loads), the tokenizer, every
+    prompt's token ids."""
+    if cfg.task == "sum3":
+        train_set, heldout = demo_function("tasks.py:sum3_split")()
+    else:
+        train_set = load_problems(cfg.run.data, cfg.problem_field, cfg.answer_field)
+        if cfg.run.val_data:
+            heldout = load_problems(cfg.run.val_data, cfg.problem_field, cfg.answer_field)
+        else:
+            train_set, heldout = split(train_set, cfg.run.val_fraction, cfg.run.seed)
+    template = read_template(cfg.prompt_template)
+    path = model_path(cfg)
+    tok = model.load_tokenizer(path, cfg.run.trust_remote_code)
+    train_set, train_prompts = encode_prompts(cfg, tok, train_set, template, "training")
+    heldout, heldout_prompts = encode_prompts(
+        cfg, tok, heldout[: cfg.eval_prompts], template, "held-out"
+    )
+    reward_fn = (
+        reward.exact_reward
+        if cfg.task == "sum3"
+        else functools.partial(reward.math_reward, answer=cfg.answer)
+    )
+    if cfg.reward:
+        reward_fn = user_reward.load(cfg.reward, cfg.reward_timeout_s)
+    return Task(path, tok, reward_fn, train_set, train_prompts, heldout, heldout_prompts)
+
+
+def model_path(cfg) -> str:
+    """Where the run's starting weights are: --init-from, else --model (a built-in base is built on
+    first use)."""
+    return cfg.init_from or model.resolve(cfg.run.model)
+
+
+def encode_prompts(cfg, tok, problems: list[Problem], template: str | None, what: str):
+    """Prompt token ids; prompts longer than prompt_limit(cfg) are dropped, counted and reported."""
+    limit = prompt_limit(cfg)
+    ids = [
+        tok(p.prompt)["input_ids"] if cfg.task == "sum3" else math_prompt(tok, p.prompt, template)
+        for p in problems
+    ]
+    keep = [i for i, p in enumerate(ids) if len(p) <= limit]
+    if len(keep) < len(ids):
+        why = (
+            f"--max-prompt-len {limit}"
+            if cfg.max_prompt_len
+            else f"--max-seq-len {cfg.max_seq_len} - --max-new-tokens {cfg.max_new_tokens}"
+        )
+        distributed.print0(
+            f"dropped {len(ids) - len(keep)} of {len(ids)} {what} prompts "
+            f"longer than {limit} tokens ({why})"
+        )
+    if not keep and problems:
+        raise UserError(f"every {what} prompt is longer than {limit} tokens; raise --max-seq-len")
+    return [problems[i] for i in keep], [ids[i] for i in keep]
+
+
+def prompt_limit(cfg) -> int:
+    """The longest prompt a run keeps: --max-prompt-len, else what leaves every response its
+    --max-new-tokens."""
+    return cfg.max_prompt_len or cfg.max_seq_len - cfg.max_new_tokens

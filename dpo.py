@@ -38,7 +38,6 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-import tyro
 
 import data
 import distributed
@@ -48,8 +47,7 @@ import reward
 import rollout
 import runtime
 from checkpoint import export_hf
-from checks import UserError, check, one_line_errors
-from demo import tasks
+from checks import UserError, check, demo_function, one_line_errors
 
 
 @dataclass
@@ -86,7 +84,7 @@ class DPOConfig:
 
 
 def parse_args(argv: list[str]) -> DPOConfig:
-    return tyro.cli(DPOConfig, args=argv, config=(tyro.conf.OmitArgPrefixes,))
+    return runtime.cli(DPOConfig, {}, argv)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,7 +318,7 @@ def load_preferences(cfg: DPOConfig) -> tuple[list[PrefRow], list[PrefRow], list
     synthetic set)."""
     run = cfg.run
     if not run.data:
-        train_set, heldout = tasks.sum3_split()
+        train_set, heldout = demo_function("tasks.py:sum3_split")()
         # the held-out pairs' wrong answers from a stream of their own (seed + 1), not the training
         # pairs' again
         return sum3_pairs(train_set, run.seed), sum3_pairs(heldout, run.seed + 1), heldout

@@ -10,17 +10,24 @@ as a table (heldout_table). compare() puts several runs' held-out curves side by
 and against wall-clock minutes: `python logs.py --compare OUT.png RUN RUN ...` (the same seeded run
 with and without a change that should cost less time and nothing else).
 
-What it does not do: compute metrics (train.py and dpo.py do), decide when to log (runtime.Run
-does), or report the miniature recipe's stages (tools/recipe.py).
+step_metrics makes a GRPO step's row: this rank's sums, summed over every rank, then the means
+NeMo-RL logs under the same names.
+
+What it does not do: compute the loss's or DPO's metrics (grpo.py, dpo.py do), decide when to log
+(runtime.Run does), or report the miniature recipe's stages (tools/recipe.py).
 """
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 # a figure of its own, drawn to a file: no pyplot, no display backend
 from matplotlib.figure import Figure
 
+import distributed
 from checks import check, one_line_errors, writable
 
 
@@ -220,6 +227,103 @@ def main(argv: list[str]) -> None:
     )
     print(plot(run))
     print(heldout_table(read_rows(run / "metrics.jsonl")))
+
+
+# ----------------------------------------------------------------------------------------------
+# A GRPO step's row
+
+
+@dataclass
+class StepSums:
+    """This rank's sums over one step's groups and update, besides the loss's (step_metrics sums
+    them over ranks)."""
+
+    reward: float
+    seqs: float
+    resp_tokens: float
+    truncated: float
+    groups: float  # drawn, over every dynamic-sampling round
+    zero_var_groups: float
+    adv: float
+    adv_sq: float
+    entropy: float  # the policy's, over the response tokens the update computed
+    trained_seqs: float  # rows the update computed (Update.seqs)
+    trained_tokens: float  # their response tokens
+    reward_errors: float  # samples whose --reward failed (Groups.reward_errors)
+
+
+def step_metrics(
+    step: int,
+    groups,
+    b,
+    adv: torch.Tensor,
+    upd,
+    sched,
+    times: dict,
+    peak_mem_gib: float,
+) -> dict:
+    """One metrics.jsonl row of a GRPO step, from its groups (train.Groups), batch (batch.Batch),
+    advantages [P, G] and update (train.Update): sums over every rank, then the means NeMo-RL logs
+    under the same names. peak_mem_gib: the trainer's peak in steps 4-6, the largest over ranks
+    (runtime.peak_memory_gib)."""
+    a = adv.flatten().double()
+    here = StepSums(
+        float(groups.rewards.sum()),
+        groups.rewards.numel(),
+        float(b.resp_mask.sum()),
+        float(b.truncated.sum()),
+        groups.drawn,
+        groups.zero_variance,
+        float(a.sum()),
+        float((a * a).sum()),
+        upd.entropy,
+        upd.seqs,
+        upd.resp_tokens,
+        groups.reward_errors,
+    )
+    r, m, mm = distributed.sum_over_ranks(here, upd.loss, upd.mismatch)
+    n_seq, n_loss_tok = r.seqs, max(m.tokens, 1.0)
+    # the entropy and the engine/trainer mismatch come from the update's forward, so they cover the
+    # rows it ran (trained_tokens); on a step that ran none nothing measured them: null, not 0
+    per_tok = lambda x: x / r.trained_tokens if r.trained_tokens else None  # noqa: E731
+    adv_mean = r.adv / n_seq
+    return dict(
+        step=step,
+        reward_mean=r.reward / n_seq,
+        response_len_mean=r.resp_tokens / n_seq,
+        seqs=int(n_seq),
+        loss=m.loss,
+        grad_norm=upd.grad_norm,
+        clip_frac_low=m.clip_low / n_loss_tok,
+        clip_frac_high=m.clip_high / n_loss_tok,
+        kl=m.kl / n_loss_tok,
+        entropy=per_tok(r.entropy),
+        token_mult_prob_error=per_tok(mm.token_mult_prob_error),
+        gen_kl_error=per_tok(mm.gen_kl_error),
+        policy_kl_error=per_tok(mm.policy_kl_error),
+        js_divergence_error=per_tok(mm.js_divergence_error),
+        truncated_frac=r.truncated / n_seq,
+        is_oob_frac=m.is_oob / m.is_units if m.is_units else None,
+        zero_var_group_frac=r.zero_var_groups / r.groups,
+        # the step's rows the update computed: all of them, or those with a loss term
+        # (batch.trained_rows); entropy, the mismatch metrics and is_oob_frac cover these
+        trained_frac=r.trained_seqs / n_seq,
+        trained_tokens=int(r.trained_tokens),
+        adv_mean=adv_mean,
+        skipped_updates=upd.skipped,
+        adv_std=max(r.adv_sq / n_seq - adv_mean**2, 0.0) ** 0.5,
+        generation_rounds=groups.rounds,
+        lr=sched.get_last_lr()[0],
+        peak_mem_gib=peak_mem_gib,
+        reward_errors=int(r.reward_errors),
+        tokens_per_s=r.resp_tokens
+        / max(sum(times.values()), 1e-9),  # generated tokens per second of steps 1-7
+        **{f"time_{k}": v for k, v in times.items()},
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Set-up: flags, task, engine
 
 
 if __name__ == "__main__":

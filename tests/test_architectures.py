@@ -1,6 +1,7 @@
 """The trainer's logprobs are the model's own on every decoder-only family a user is likely to
-load: for each, a tiny model built from its transformers config (random weights, no download) gives
-through model.token_logprobs (one row per sample, and packed rows where model.can_pack allows) the
+load: for each, a tiny model built from its transformers config (random weights, no download)
+gives through model.token_logprobs (one row per sample, and packed rows where fastpaths.can_pack
+allows) the
 float64 logprobs and gradient of log_softmax over its own forward's logits, whatever that forward
 does to them (a head bias, Gemma's final soft-capping, Cohere's logit_scale, Granite's
 logits_scaling), with grouped-query attention where the family has it and a sliding window
@@ -22,6 +23,7 @@ import transformers as tf
 
 import model
 from checks import UserError
+import fastpaths
 
 V = 96
 SMALL = dict(
@@ -68,8 +70,8 @@ FAMILIES = {
         ),
     ),  # fmt: skip
 }
-# what model.check_head leaves one row per sample: a sliding window (Gemma 3's default is 4,096),
-# or a mixer beside attention
+# what fastpaths.check_head leaves one row per sample: a sliding window (Gemma 3's default is
+# 4,096), or a mixer beside attention
 UNPACKED = ("mistral-sliding-window", "gemma2", "gemma3", "falcon-h1")
 
 
@@ -128,8 +130,8 @@ def test_the_trainers_logprobs_and_gradient_are_the_models_own(family):
     (coef * want).sum().backward()
     prompts = [tuple(p) for p, _ in seqs]
     trainer = model.LogprobModel(copy.deepcopy(ref).requires_grad_(True))
-    model.check_head(trainer, family)  # as model.load_trainable does
-    for packs in (None, model.prompt_packs(prompts, [len(r) for _, r in seqs], 10_000)):
+    fastpaths.check_head(trainer, family)  # as model.load_trainable does
+    for packs in (None, fastpaths.prompt_packs(prompts, [len(r) for _, r in seqs], 10_000)):
         if packs is not None and not trainer.packable:
             continue
         trainer.zero_grad()
@@ -149,7 +151,7 @@ def test_packed_rows_give_one_row_per_samples_float32_logprobs(family):
     # the same tokens, batched otherwise (float32 rounding: ~5e-7 seen)
     trainer = model.LogprobModel(tiny(family).float())
     seqs, ids, am, start, T = rows(seed=2)
-    packs = model.prompt_packs([tuple(p) for p, _ in seqs], [len(r) for _, r in seqs], 10_000)
+    packs = fastpaths.prompt_packs([tuple(p) for p, _ in seqs], [len(r) for _, r in seqs], 10_000)
     with torch.no_grad():
         one, _ = trainer(ids, am, start, T, 0.7)
         packed, _ = trainer(ids, am, start, T, 0.7, packs=packs)
@@ -158,11 +160,13 @@ def test_packed_rows_give_one_row_per_samples_float32_logprobs(family):
 
 def test_a_model_whose_packed_rows_mix_responses_trains_one_row_per_sample(capsys):
     m = tiny("falcon-h1")
-    assert not model.can_pack(m)  # its config's layer_types say "hybrid"; one whose config did not:
+    assert not fastpaths.can_pack(
+        m
+    )  # its config's layer_types say "hybrid"; one whose config did not:
     trainer = model.LogprobModel(m)
-    trainer.lm.set_attn_implementation(model.PACKED_ATTENTION)
+    trainer.lm.set_attn_implementation(fastpaths.PACKED_ATTENTION)
     trainer.packable = True
-    model.check_head(trainer, "tiny-falcon-h1")
+    fastpaths.check_head(trainer, "tiny-falcon-h1")
     assert not trainer.packable
     assert "tiny-falcon-h1: FalconH1ForCausalLM's packed rows differ" in capsys.readouterr().out
 
@@ -182,7 +186,7 @@ def test_the_trainer_runs_no_dropout_in_training_mode(tmp_path):
 
 class ScaledHead(torch.nn.Linear):
     """An LM head that doubles its logits, as a model shipping its own code (--trust-remote-code)
-    may: a transform model.final_logits does not know."""
+    may: a transform fastpaths.final_logits does not know."""
 
     def forward(self, x):
         return super().forward(x) * 2
@@ -192,8 +196,8 @@ def test_a_model_whose_logits_the_trainer_cannot_compute_is_refused_before_train
     m = tiny("llama")
     m.lm_head.__class__ = ScaledHead
     with pytest.raises(UserError, match="custom-llama: the trainer's LM head does not compute"):
-        model.check_head(model.LogprobModel(m), "custom-llama")
-    model.check_head(model.LogprobModel(tiny("llama")), "llama")  # its own head passes
+        fastpaths.check_head(model.LogprobModel(m), "custom-llama")
+    fastpaths.check_head(model.LogprobModel(tiny("llama")), "llama")  # its own head passes
 
 
 # the families whose logits the model's forward transforms, and the hybrid

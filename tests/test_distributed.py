@@ -355,7 +355,7 @@ def test_release_freed_memory_gives_back_a_grown_heap_only():
 # A GRPO run under torchrun: over two "nodes", and killed then resumed
 
 
-# --skip-zero-advantage (train.trained_rows): each case updated with and without skipping, in
+# --skip-zero-advantage (batch.trained_rows): each case updated with and without skipping, in
 # float64, at one and two ranks. name: (micro-batch tokens, minibatches, lr, optimizer, policy loss,
 # LoRA rank, rewards (dist_worker.skip_rewards), more flags). rank1-uniform puts every uniform group
 # on rank 1 at two ranks: a rank with nothing to train on, beside one with work.
@@ -465,7 +465,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(skips, tiny_path, ca
 
 @pytest.mark.parametrize("case", list(SHARED))
 def test_sharing_a_prompt_gives_the_same_update(skips, case):
-    """--share-prompt (model.pack_rows: a prompt's samples one row of the forward, the prompt
+    """--share-prompt (fastpaths.pack_rows: a prompt's samples one row of the forward, the prompt
     computed once) and one row per sample give the same weights in float64, at one and two ranks,
     skipping or not; unclipped SGD shows a gradient off by any factor."""
     lr = SKIPS[case][2]

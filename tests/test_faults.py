@@ -24,6 +24,8 @@ import reward
 import train
 from checks import UserError, one_line_errors
 from runtime import config
+import batch
+import checks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 )
 def test_each_bad_flag_gets_one_line(flags, world, needle):
     with pytest.raises(UserError) as e:
-        train.validate(config(train.Config, **flags), world)
+        checks.grpo_flags(config(train.Config, **flags), world)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
@@ -77,7 +79,7 @@ def test_optional_loggers_fail_early_when_not_installed(package):
         pytest.skip(f"{package} is installed here: nothing to refuse")
     flags = dict(tensorboard=True) if package == "tensorboard" else dict(wandb_project="p")
     with pytest.raises(UserError, match=f"needs the {package} package"):
-        train.validate(config(train.Config, **flags), 1)
+        checks.grpo_flags(config(train.Config, **flags), 1)
 
 
 def one_line_error(fn, *args) -> str:
@@ -260,7 +262,7 @@ def test_nan_in_the_loss_skips_the_update_and_keeps_the_weights(tiny_path, tok):
     prompts, samples, rewards = fixed_global_batch(tok)
     adv = grpo.group_advantages(rewards).flatten()
     adv[3] = float("nan")  # one poisoned sequence makes the loss and every gradient NaN
-    b = train.make_batch(prompts, samples, adv, False, tok.pad_token_id)
+    b = batch.make_batch(prompts, samples, adv, False, tok.pad_token_id)
     cfg = config(train.Config, prompts_per_step=8, group_size=4)
     policy = model.load_trainable(tiny_path, torch.device("cpu"), False)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import grpo
+import batch
 
 
 def ref_advantages(rewards, leave_one_out, scale, eps):
@@ -263,7 +264,6 @@ def test_zero_variance_group_gives_no_gradient():
 
 def test_overlong_filter_masks_truncated_responses_but_keeps_them_in_the_baseline():
     import rollout
-    import train
 
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
     truncated = [False, True, False, True]
@@ -276,8 +276,8 @@ def test_overlong_filter_masks_truncated_responses_but_keeps_them_in_the_baselin
         ref_advantages(rewards.tolist(), False, "group", 1e-6)[0], dtype=torch.float32
     )
     torch.testing.assert_close(adv, want)
-    b = train.make_batch([[1, 2, 3]], samples, adv, overlong_filter=True, pad_id=0)
+    b = batch.make_batch([[1, 2, 3]], samples, adv, overlong_filter=True, pad_id=0)
     assert b.loss_mask.sum(1).tolist() == [2, 0, 2, 0]
     assert b.resp_mask.sum(1).tolist() == [2, 3, 2, 3]
-    b = train.make_batch([[1, 2, 3]], samples, adv, overlong_filter=False, pad_id=0)
+    b = batch.make_batch([[1, 2, 3]], samples, adv, overlong_filter=False, pad_id=0)
     assert b.loss_mask.sum(1).tolist() == [2, 3, 2, 3]

@@ -24,6 +24,7 @@ import train
 from checks import UserError
 from runtime import config
 from test_rollout import mean_abs_diff, prompts_of
+import batch
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -70,7 +71,7 @@ def test_only_the_adapters_train_and_hold_optimizer_state(tiny_path, tok):
         for _ in range(4)
     ]
     adv = torch.randn(16, generator=g)
-    b = train.make_batch(prompts, samples, adv, False, tok.pad_token_id)
+    b = batch.make_batch(prompts, samples, adv, False, tok.pad_token_id)
     train.update_policy(policy, opt, sched, train.old_logprobs(policy, None, b, cfg, CPU), cfg, CPU)
     for n, p in policy.named_parameters():
         if n in trainable:
@@ -118,7 +119,7 @@ def test_kl_reference_is_the_base_with_adapters_off(tiny_path, tok):
     frozen = model.LogprobModel(model.load_model(tiny_path, dtype=torch.float64))
     prompts = prompts_of(tok, 8)
     samples = [rollout.Sample(i, [5, 6, 7], [-1.0] * 3, False) for i in range(8)]
-    b = train.make_batch(prompts, samples, torch.zeros(8), False, tok.pad_token_id)
+    b = batch.make_batch(prompts, samples, torch.zeros(8), False, tok.pad_token_id)
     b = replace(b, gen_logp=b.gen_logp.double())  # float64 end to end
     cfg = config(train.Config, prompts_per_step=8, group_size=2, kl_beta=0.01, lora_rank=2)
     # train.py passes the policy as its reference

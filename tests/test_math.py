@@ -153,7 +153,7 @@ def test_stage_presets_match_design_and_flags_override():
 def test_long_prompts_are_dropped_and_reported(tok, capsys):
     problems = data.load_problems(str(FIX / "math_tiny.jsonl"))
     cfg = config(train.Config, task="math", data="x", max_seq_len=110, max_new_tokens=20)
-    kept, ids = train.encode_prompts(cfg, tok, problems, None, "training")
+    kept, ids = data.encode_prompts(cfg, tok, problems, None, "training")
     assert all(len(p) <= 90 for p in ids) and len(kept) == len(ids)
     dropped = len(problems) - len(kept)
     assert 0 < dropped < len(problems)
@@ -263,7 +263,7 @@ def test_no_held_out_problem_is_in_its_training_set(tmp_path, tiny_path):
         tmp_path / "p.jsonl",
         "".join(json.dumps({"problem": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(50)),
     )
-    task = train.load_task(
+    task = data.load_task(
         config(
             train.Config,
             task="math",

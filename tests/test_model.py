@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from demo import bases
 import model
+import fastpaths
 
 
 def test_tiny_base_is_a_real_hf_checkpoint(tiny_path):
@@ -41,9 +42,9 @@ def random_batch(tok, seed=0, rows_spec=None):
     return input_ids, am, start, max(resp_lens), resp_lens
 
 
-def reference(m, input_ids, am, start, T, resp_lens, temperature):
+def by_position(m, input_ids, am, start, T, resp_lens, temperature):
     """float64 logprobs and entropy from the full logits of the whole batch, position by
-    position."""
+    position: an independent check of the definition (model.plain_logprobs)."""
     m64 = m.double()
     logits = m64(input_ids=input_ids, attention_mask=am).logits / temperature  # [B, L, V] float64
     lp = torch.zeros(len(resp_lens), T, dtype=torch.float64)
@@ -55,6 +56,26 @@ def reference(m, input_ids, am, start, T, resp_lens, temperature):
             lp[i, t] = logp[input_ids[i, pos]]
             ent[i, t] = -(logp.exp() * logp).sum()
     return lp, ent
+
+
+def reference(m, input_ids, am, start, T, resp_lens, temperature):
+    """The oracle of the fast paths: the definition, model.plain_logprobs, in float64."""
+    return model.plain_logprobs(m.double(), input_ids, am, start, T, temperature)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_definition_is_log_softmax_of_the_models_own_logits(tiny_path, tok, temperature):
+    """model.plain_logprobs, the definition the fast paths are tested against, equals log_softmax of
+    the model's logits at the temperature, read position by position, and is 0 past each response
+    (one row's response is empty)."""
+    input_ids, am, start, T, resp_lens = random_batch(tok)
+    m = model.load_model(tiny_path).double()
+    with torch.no_grad():
+        lp, ent = model.plain_logprobs(m, input_ids, am, start, T, temperature)
+        want_lp, want_ent = by_position(m, input_ids, am, start, T, resp_lens, temperature)
+    torch.testing.assert_close(lp, want_lp, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(ent, want_ent, atol=1e-10, rtol=1e-10)
+    assert lp[2].abs().sum() == 0 and resp_lens[2] == 0
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 4096])
@@ -111,9 +132,9 @@ def shared_prompt_batch(tok, seed=3):
 
 def test_prompt_packs_share_a_prompt_within_the_cap():
     a, b = (1, 2), (3,)
-    assert model.prompt_packs([a, a, b, a], [3, 2, 1, 4], 9) == [[0, 1], [2], [3]]
-    assert model.prompt_packs([a, a, b, a], [3, 2, 1, 4], 11) == [[0, 1, 3], [2]]
-    assert model.prompt_packs([a, a], [20, 1], 9) == [[0], [1]]  # too long alone: its own
+    assert fastpaths.prompt_packs([a, a, b, a], [3, 2, 1, 4], 9) == [[0, 1], [2], [3]]
+    assert fastpaths.prompt_packs([a, a, b, a], [3, 2, 1, 4], 11) == [[0, 1, 3], [2]]
+    assert fastpaths.prompt_packs([a, a], [20, 1], 9) == [[0], [1]]  # too long alone: its own
 
 
 def test_pack_rows_lays_out_the_docstrings_example():
@@ -123,7 +144,7 @@ def test_pack_rows_lays_out_the_docstrings_example():
     input_ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 0], [4, 3, 2, 0]])
     am = (input_ids > 0).long()
     start = torch.tensor([2, 2, 1])
-    ids, pos, packed, where, first = model.pack_rows(input_ids, am, start, [[0, 1], [2]])
+    ids, pos, packed, where, first = fastpaths.pack_rows(input_ids, am, start, [[0, 1], [2]])
     assert ids.tolist() == [[5, 6, 7, 8, 9], [4, 3, 2, 0, 0]]
     assert pos[0].tolist() == [0, 1, 2, 3, 2] and pos[1, :3].tolist() == [0, 1, 2]
     # flat positions: the second pack starts at 5
@@ -145,7 +166,7 @@ def test_shared_prompts_give_the_float64_logprobs_and_gradient(tiny_path, tok, p
     seen = []
     m.model.embed_tokens.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape))
     prompts = [tuple(r[:s]) for r, s in zip(input_ids.tolist(), start.tolist())]
-    packs = model.prompt_packs(prompts, resp_lens, pack_tokens)
+    packs = fastpaths.prompt_packs(prompts, resp_lens, pack_tokens)
     lp, ent = model.token_logprobs(
         m, input_ids, am, start, T, 0.7, 4096, with_entropy=True, packs=packs
     )
@@ -171,7 +192,7 @@ def test_the_trainers_decoder_keeps_no_kv_cache(tiny_path, tok, shared):
     caches = []
     m.model.register_forward_hook(lambda mod, args, out: caches.append(out.past_key_values))
     prompts = [tuple(r[:s]) for r, s in zip(input_ids.tolist(), start.tolist())]
-    packs = model.prompt_packs(prompts, resp_lens, 10_000) if shared else None
+    packs = fastpaths.prompt_packs(prompts, resp_lens, 10_000) if shared else None
     model.token_logprobs(m, input_ids, am, start, T, packs=packs)
     assert caches == [None]
 
@@ -235,19 +256,19 @@ def test_the_lm_head_runs_in_float32_under_the_bf16_policy(tiny_path, tok):
 
 
 def test_bf16_head_matches_float64_products_of_its_bf16_operands():
-    """model.head_logits and head_grads with bf16 operands (the GPU's head under bf16 compute, as
-    vLLM 0.33's): float32 logits from bf16 operands, and the backward (torch has no derivative for
-    mm with out_dtype), against float64 products of the same bf16-rounded operands. On CPU its GEMM
-    is the float32 stand-in for the GPU's (exact bf16 products, float32 sums), so what this checks
-    is the formula: the casts, the transposes, the dtypes returned. Then HeadLogprob through that
-    head: logprobs and their gradient against float64 autograd over the same bf16 operands."""
+    """fastpaths.head_logits and head_grads with bf16 operands (the GPU's head under bf16 compute,
+    as vLLM 0.33's): float32 logits from bf16 operands, and the backward (torch has no derivative
+    for mm with out_dtype), against float64 products of the same bf16-rounded operands. On CPU its
+    GEMM is the float32 stand-in for the GPU's (exact bf16 products, float32 sums), so what this
+    checks is the formula: the casts, the transposes, the dtypes returned. Then HeadLogprob through
+    that head: logprobs and their gradient against float64 autograd over the same bf16 operands."""
     g = torch.Generator().manual_seed(0)
     n, H, V = 7, 64, 300
     h = torch.randn(n, H, generator=g)
     w = torch.randn(V, H, generator=g) * 0.6  # logits of up to ~20
     grad = torch.randn(n, V, generator=g)
-    logits = model.head_logits(h, w, bf16=True)
-    d_h, d_w = model.head_grads(grad, h, w, bf16=True)
+    logits = fastpaths.head_logits(h, w, bf16=True)
+    d_h, d_w = fastpaths.head_grads(grad, h, w, bf16=True)
     hb, wb, gb = (t.bfloat16().double() for t in (h, w, grad))
     assert logits.dtype == torch.float32 and logits.abs().max() > 15
     # float32 sums of H (or n, V) exact products: relative error ~ sqrt(terms) x 6e-8
@@ -260,7 +281,7 @@ def test_bf16_head_matches_float64_products_of_its_bf16_operands():
     exact = h.double() @ w.double().t()
     assert (logits.double() - exact).abs().max() > 1e-3
     # a bf16 weight (FSDP2's gathered parameter) gets its gradient in bf16
-    assert model.head_grads(grad, h, w.bfloat16(), bf16=True)[1].dtype == torch.bfloat16
+    assert fastpaths.head_grads(grad, h, w.bfloat16(), bf16=True)[1].dtype == torch.bfloat16
 
     targets = torch.randint(0, V, (n,), generator=g)
     coef = torch.randn(n, generator=g)
@@ -269,7 +290,7 @@ def test_bf16_head_matches_float64_products_of_its_bf16_operands():
     (coef.double() * want).sum().backward()
     for keep in (False, True):  # the logits recomputed in backward, or the probabilities kept
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        lp, _ = model.HeadLogprob.apply(hh, ww, None, targets, 0.7, False, True, keep)
+        lp, _ = fastpaths.HeadLogprob.apply(hh, ww, None, targets, 0.7, False, True, keep)
         (coef * lp).sum().backward()
         torch.testing.assert_close(lp.double(), want.detach(), rtol=0, atol=1e-5)
         # the logits' gradient is rounded to bf16 (as head_grads' products take it): each entry to

@@ -162,9 +162,9 @@ def runs(tmp_path_factory, path) -> dict:
     )
 
 
-def math_task(**flags) -> "train.Task":
-    """The prompts a run on the math problems would train on (train.load_task), with FLAGS."""
-    return train.load_task(
+def math_task(**flags) -> "data.Task":
+    """The prompts a run on the math problems would train on (data.load_task), with FLAGS."""
+    return data.load_task(
         runtime.config(train.Config, model=bases.SMOLLM2, task="math", data=str(PROBLEMS), **flags)
     )
 
@@ -183,7 +183,7 @@ def test_prompts_go_through_its_chat_template_with_its_own_system_prompt(tok):
 
 
 def test_make_smollm2s_prompt_is_its_chat_templates_user_turn_without_the_system_prompt(tok):
-    # demo/smollm2-prompt.txt (--prompt-template) through train.load_task: the model's own chat
+    # demo/smollm2-prompt.txt (--prompt-template) through data.load_task: the model's own chat
     # format, as its template writes a user turn after a system message of our own, less that
     # message
     task = math_task(prompt_template=str(ROOT / "demo" / "smollm2-prompt.txt"))
@@ -282,7 +282,7 @@ def test_responses_stop_at_im_end_and_the_reward_never_sees_special_tokens(runs,
         assert tok.decode(s.token_ids).endswith("<|im_end|>")  # what the reward must not be handed
     # what train.py's loop hands the reward (train.score), and what the run's reward was handed
     texts = []
-    task = train.Task(
+    task = data.Task(
         "",
         tok,
         lambda text, gold: texts.append(text) or 0.0,

@@ -9,6 +9,8 @@ import model
 import rollout
 from demo import tasks
 import train
+import batch
+import data
 
 
 def prompts_of(tok, n=64):
@@ -17,7 +19,7 @@ def prompts_of(tok, n=64):
 
 
 def trainer_logprobs(m, prompts, samples):
-    b = train.make_batch(prompts, samples, torch.zeros(len(samples)), False, 0)
+    b = batch.make_batch(prompts, samples, torch.zeros(len(samples)), False, 0)
     with torch.no_grad():
         lp, _ = model.token_logprobs(
             m, b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1]
@@ -109,7 +111,7 @@ def test_hf_engine_logprobs_are_those_of_the_sampling_temperature(tiny_path, tok
     samples = rollout.HFEngine(tiny_path).generate(
         prompts, n=2, max_tokens=2, temperature=0.7, seed=0
     )
-    b = train.make_batch([p for p in prompts], samples, torch.zeros(len(samples)), False, 0)
+    b = batch.make_batch([p for p in prompts], samples, torch.zeros(len(samples)), False, 0)
     with torch.no_grad():
         lp, _ = model.token_logprobs(
             model.load_model(tiny_path),
@@ -228,4 +230,4 @@ def test_the_deepscaler_presets_give_each_response_what_its_prompt_leaves():
             train.budget(cfg, [0] * 150) == total - 150
             and train.budget(cfg, [0] * 1024) == total - 1024
         )
-        assert train.prompt_limit(cfg) == 1024
+        assert data.prompt_limit(cfg) == 1024

@@ -18,6 +18,8 @@ import rollout
 import train
 from checks import UserError
 from runtime import config
+import batch
+import data
 
 METRIC_KEYS = {
     "reward_mean",
@@ -148,7 +150,7 @@ def test_one_update_is_minus_the_gradient_of_the_whole_batchs_objective(
         temperature=temperature,
         overlong_filter=True,
     )
-    b = train.make_batch(prompts, samples, adv, True, tok.pad_token_id)
+    b = batch.make_batch(prompts, samples, adv, True, tok.pad_token_id)
     b = replace(b, gen_logp=b.gen_logp.double())
     cpu = torch.device("cpu")
     policy = model.load_trainable(tiny_path, cpu, False, dtype=torch.float64)
@@ -218,10 +220,10 @@ def test_shared_prompt_micro_batches_hold_whole_packs_within_budget(tok):
         for i in range(4)
         for n in [rng.randint(0, 40) for _ in range(8)]
     ]
-    b = train.make_batch(prompts, samples, torch.zeros(32), False, tok.pad_token_id)
+    b = batch.make_batch(prompts, samples, torch.zeros(32), False, tok.pad_token_id)
     rows = list(range(0, 32, 3))
     for budget in (1, 30, 100, 10**6):
-        mbs = train.micro_batches(b, rows, budget, share=True)
+        mbs = batch.plan(b, rows, budget, True)
         assert sorted(r for mb in mbs for r in mb.rows) == rows
         for mb in mbs:
             assert sorted(i for p in mb.packs for i in p) == list(range(len(mb.rows)))
@@ -272,7 +274,7 @@ def test_answer_flag_chooses_how_the_math_reward_reads_answers(tmp_path):
             max_new_tokens=96,
             out_dir=str(tmp_path),
         )
-        task = train.load_task(cfg)
+        task = data.load_task(cfg)
         assert task.reward_fn("84 + 50 = 134.", "134") == prose, answer
         assert task.reward_fn("So \\boxed{134}, from 84 + 50", "134") == 1.0, answer
 
@@ -402,7 +404,7 @@ def test_dtype_flag_sets_the_training_compute_on_cpu(tiny_path, dtype):
     )
     samples = [rollout.Sample(0, resp[i].tolist(), [0.0] * 20, False) for i in range(4)]
     # [4, 26], responses from position 6
-    mb = train.make_batch(
+    mb = batch.make_batch(
         [prompt[i].tolist() for i in range(4)],
         [replace(s, prompt_idx=i) for i, s in enumerate(samples)],
         torch.zeros(4),
@@ -444,8 +446,8 @@ def test_a_stand_in_micro_batch_is_two_tokens_whatever_the_batch(tok):
         rollout.Sample(0, [6] * 700, [-1.0] * 700, True),
         rollout.Sample(1, [6, 2], [-1.0, -1.0], False),
     ]
-    b = train.make_batch(prompts, samples, torch.tensor([1.0, -1.0]), False, 0)
-    one, stand_in = train.micro_batches(b, [1], 10**6, share=False)[0], b.stand_in()
+    b = batch.make_batch(prompts, samples, torch.tensor([1.0, -1.0]), False, 0)
+    one, stand_in = batch.plan(b, [1], 10**6, False)[0], b.stand_in()
     # trimmed to its own row
     assert one.rows == [1] and one.input_ids.shape == (1, 4) and one.T == 2
     assert stand_in.input_ids.shape == (1, 2) and stand_in.T == 1 and stand_in.rows == []

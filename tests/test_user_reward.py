@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import checks
 import eval_aime
 from demo import my_reward
 import rollout
@@ -23,6 +24,7 @@ FIX = ROOT / "tests" / "fixtures"
 
 REWARDS = """
 import os, re, time
+import checks
 
 def right(response, gold):
     return 1.0 if response.strip() == gold.strip() else 0.0
@@ -152,14 +154,14 @@ def test_bad_reward_values_get_one_line(rewards, tmp_path, capsys):
     ]
     for spec, needle in cases:
         with pytest.raises(UserError) as e:
-            train.validate(train.Config(reward=spec), 1)
+            checks.grpo_flags(train.Config(reward=spec), 1)
         msg = str(e.value)
         assert msg.startswith(f"--reward {spec}:") and needle in msg and "\n" not in msg, (
             spec,
             msg,
         )
     with pytest.raises(UserError, match="--reward-timeout-s 0.0: must be positive"):
-        train.validate(train.Config(reward=f"{rewards}:right", reward_timeout_s=0.0), 1)
+        checks.grpo_flags(train.Config(reward=f"{rewards}:right", reward_timeout_s=0.0), 1)
     for spec, needle in (
         ("mth", "--reward mth: use math, exact, or your own"),
         (f"{rewards}:one_arg", "one_arg"),

@@ -91,6 +91,7 @@ import train
 from checks import check, one_line_errors, writable
 from demo import bases
 from demo import tasks
+import fastpaths
 
 PHASES = ["generate", "score", "logprobs", "update", "refit"]
 
@@ -606,11 +607,11 @@ def flops_table(results: dict, cfg: BenchConfig) -> list[str]:
     c = AutoConfig.from_pretrained(model_for("smollm2"))
     n, G = cfg.prompts * cfg.group_size, cfg.group_size
     model_flops = 3 * n * forward_flops(c, peaks["seq"], peaks["resp"])
-    # --share-prompt: each group in the packs model.prompt_packs makes of it, each pack's matmuls
-    # over its prompt once and its responses, and attention over each sample's own prompt and
-    # response (model.packed_attention)
+    # --share-prompt: each group in the packs fastpaths.prompt_packs makes of it, each pack's
+    # matmuls over its prompt once and its responses, and attention over each sample's own prompt
+    # and response (fastpaths.packed_attention)
     prompt, resp = peaks["seq"] - peaks["resp"], peaks["resp"]
-    packs = model.prompt_packs(
+    packs = fastpaths.prompt_packs(
         [(0,) * round(prompt)] * G, [round(resp)] * G, cfg.micro_batch * round(peaks["seq"])
     )
     per_group = sum(

@@ -1,0 +1,210 @@
+"""The trainer's batch and the update's plan over it: the step's samples as padded tensors, then
+which rows each pass runs, in which micro-batches, packed how, padded for FSDP. train.py calls it
+once per minibatch (the update) and once per model (the old and reference logprobs).
+
+What it does:
+- Batch / make_batch: each sample's prompt + response one right-padded row, with its masks,
+  advantage and the engine's logprobs; select keeps some rows, trimmed to their own lengths.
+- minibatches: the rows of each optimizer step, whole groups, the same at any world size.
+- plan: the micro-batches of some rows: those whose loss term can be non-zero (with skip: rows
+  of advantage exactly 0 add exactly 0), packed by prompt where the model allows
+  (fastpaths.prompt_packs), within a token budget, and as many on every rank (stand-ins where a
+  rank has fewer: FSDP's collectives need the same passes everywhere).
+
+What it does not do: compute anything of the loss (grpo.py) or the logprobs (model.py).
+"""
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+import distributed
+import fastpaths
+import rollout
+
+
+@dataclass
+class Batch:
+    """Rows of samples as right-padded tensors: the step's batch (make_batch), or some of its rows
+    (select), on their way to the device (to). Step 5 adds the trainer's logprobs before the update
+    (train.old_logprobs)."""
+
+    input_ids: torch.Tensor  # [N, L] prompt + response, right-padded
+    attention_mask: torch.Tensor  # [N, L]
+    resp_start: torch.Tensor  # [N] first response position
+    resp_mask: torch.Tensor  # [N, T] 1 on response tokens
+    gen_logp: torch.Tensor  # [N, T] the engine's logprobs of the response tokens
+    advantages: torch.Tensor  # [N]
+    loss_mask: torch.Tensor  # [N, T] resp_mask, minus overlong-filtered responses
+    truncated: torch.Tensor  # [N] bool: the response hit its length limit
+    lengths: list[int]  # prompt + response length of each row
+    rows: list[int]  # these rows' indices in the step's batch
+    # [N, T] the trainer's, before the update (None: the update's own forward)
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None  # [N, T] the frozen start model's (--kl-beta > 0)
+    # rows (by place) that share a prompt, each pack one row of the forward (plan)
+    packs: list[list[int]] | None = None
+
+    @property
+    def T(self) -> int:  # the longest response of these rows
+        return self.resp_mask.shape[1]
+
+    def select(self, rows: list[int]) -> "Batch":
+        """These rows, trimmed to their own longest sequence and response."""
+        idx = torch.tensor(rows)
+        L = max(self.lengths[r] for r in rows)
+        T = int(self.resp_mask[idx].sum(1).max().clamp(min=1))
+        cut = lambda t: None if t is None else t[idx, :T]  # noqa: E731
+        return Batch(
+            self.input_ids[idx, :L],
+            self.attention_mask[idx, :L],
+            self.resp_start[idx],
+            cut(self.resp_mask),
+            cut(self.gen_logp),
+            self.advantages[idx],
+            cut(self.loss_mask),
+            self.truncated[idx],
+            [self.lengths[r] for r in rows],
+            list(rows),
+            cut(self.old_logp),
+            cut(self.ref_logp),
+        )
+
+    def stand_in(self) -> "Batch":
+        """FSDP's stand-in for a micro-batch this rank lacks (plan): one row of two tokens,
+        a prompt token and a response token (so every parameter takes part, as FSDP's gradient
+        reduction needs), whose masks and advantage are 0, so its loss, gradient and metrics are 0;
+        it costs two tokens, whatever the batch's rows."""
+
+        def zeros(t, *shape):
+            return None if t is None else torch.zeros(*shape, dtype=t.dtype)
+
+        return Batch(
+            torch.zeros(1, 2, dtype=torch.long),
+            torch.ones(1, 2, dtype=torch.long),
+            torch.tensor([1]),
+            zeros(self.resp_mask, 1, 1),
+            zeros(self.gen_logp, 1, 1),
+            zeros(self.advantages, 1),
+            zeros(self.loss_mask, 1, 1),
+            torch.zeros(1, dtype=torch.bool),
+            [2],
+            [],
+            zeros(self.old_logp, 1, 1),
+            zeros(self.ref_logp, 1, 1),
+        )
+
+    def to(self, device) -> "Batch":
+        """The same rows with every tensor on `device`."""
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
+
+
+def make_batch(
+    prompts: list[list[int]],
+    samples: list[rollout.Sample],
+    advantages: torch.Tensor,
+    overlong_filter: bool,
+    pad_id: int,
+) -> Batch:
+    """The step's samples as the trainer's tensors: each sample's prompt + response one right-padded
+    row.
+
+    Example (pad_id 0): prompts [[1, 7]], two samples of prompt 0, [5, 2] (ending in EOS 2) and [6]
+    (cut at its limit), advantages [1., -1.] ->
+      input_ids  [[1, 7, 5, 2], [1, 7, 6, 0]]      attention_mask [[1, 1, 1, 1], [1, 1, 1, 0]]
+      resp_start [2, 2]                            resp_mask      [[1., 1.], [1., 0.]]
+      gen_logp   each sample's logprobs, 0 past its end
+      loss_mask  resp_mask; with overlong_filter [[1., 1.], [0., 0.]]: the cut response leaves
+                 the loss
+      truncated  [False, True], lengths [4, 3], rows [0, 1]
+    """
+    N = len(samples)  # 0 on a rank with no group this step (collect_groups)
+    seqs = [prompts[s.prompt_idx] + s.token_ids for s in samples]
+    L = max((len(s) for s in seqs), default=1)
+    T = max((len(s.token_ids) for s in samples), default=1) or 1
+    ids = torch.full((N, L), pad_id, dtype=torch.long)
+    am = torch.zeros(N, L, dtype=torch.long)
+    resp_mask = torch.zeros(N, T)
+    gen_logp = torch.zeros(N, T)
+    for i, (seq, s) in enumerate(zip(seqs, samples)):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        am[i, : len(seq)] = 1
+        resp_mask[i, : len(s.token_ids)] = 1
+        gen_logp[i, : len(s.token_ids)] = torch.tensor(s.logprobs)
+    start = torch.tensor([len(prompts[s.prompt_idx]) for s in samples], dtype=torch.long)
+    truncated = torch.tensor([s.truncated for s in samples], dtype=torch.bool)
+    loss_mask = resp_mask * (~truncated).float()[:, None] if overlong_filter else resp_mask
+    return Batch(
+        ids,
+        am,
+        start,
+        resp_mask,
+        gen_logp,
+        advantages,
+        loss_mask,
+        truncated,
+        [len(s) for s in seqs],
+        list(range(N)),
+    )
+
+
+def trained_rows(b: Batch, rows: list[int], skip: bool, kl: bool) -> list[int]:
+    """The rows of `rows` whose forward and backward run: all, or with `skip`
+    (--skip-zero-advantage) those whose loss term can be non-zero: the advantage is not exactly 0
+    (or `kl`: the KL term, which does not vanish with it, is on) and some token counts in the loss
+    (--overlong-filter masks out a truncated row).
+
+    Every term of the policy loss (PPO's clipped ratio, GSPO, CISPO, REINFORCE, dual clip, the
+    importance weights, which are finite) is A times something finite, and every term is multiplied
+    by the loss mask, so such a row adds exactly 0 to the loss and to every gradient; the
+    normalizers still count it (train.normalizer). Left out, it changes when its zeros would have
+    been added, nothing else: the weights after the step are those of computing everything, up to
+    float rounding from the other rows' new grouping into micro-batches.
+    Example: groups [1, 1, 1, 1] and [1, 0, 0, 1]: only the second group's 4 rows run."""
+    if not skip:
+        return list(rows)
+    return [r for r in rows if b.loss_mask[r].any() and (kl or b.advantages[r] != 0)]
+
+
+def minibatches(n_rows: int, n: int, group_size: int, first_group: int) -> list[list[int]]:
+    """This rank's rows of each of `n` minibatches. Minibatch k holds the groups whose step-wide
+    index j has j % n == k: whole groups, and the same minibatches at any world size (a contiguous
+    split per rank would mix different groups). Every rank makes the same number of optimizer
+    steps, even with an uneven share (dynamic sampling). Example (G = 2, 2 minibatches, 6 rows,
+    first group 0): [[0, 1, 4, 5], [2, 3]]."""
+    G = group_size
+    return [[r for r in range(n_rows) if (first_group + r // G) % n == k] for k in range(n)]
+
+
+def plan(
+    b: Batch, rows: list[int], token_budget: int, share: bool, skip: bool = False, kl: bool = False
+) -> list[Batch]:
+    """The micro-batches a pass over `rows` of b runs (trained_rows: with `skip`, those whose loss
+    term can be non-zero), each trimmed to its own rows, whose tokens stay within the budget
+    (distributed.micro_batches: longest first), and as many on every rank: a rank with fewer runs
+    b.stand_in() in place of each it lacks. A collective. `share`: rows that share a prompt go in
+    packs of at most the budget's tokens (fastpaths.prompt_packs), each a row of the forward
+    counted as its prompt plus its responses; a micro-batch holds whole packs (Batch.packs)."""
+    rows = trained_rows(b, rows, skip, kl)
+    units, cost = [[r] for r in rows], [b.lengths[r] for r in rows]
+    if share:
+        prompts = [tuple(b.input_ids[r, : b.resp_start[r]].tolist()) for r in rows]
+        resp = [b.lengths[r] - int(b.resp_start[r]) for r in rows]
+        packs = fastpaths.prompt_packs(prompts, resp, token_budget)
+        units = [[rows[i] for i in p] for p in packs]
+        cost = [len(prompts[p[0]]) + sum(resp[i] for i in p) for p in packs]
+    out = []
+    for us in distributed.micro_batches(cost, list(range(len(units))), token_budget):
+        mb = b.select([r for u in us for r in units[u]]) if us else b.stand_in()
+        if share and us:  # each pack's rows by their place in mb
+            at = iter(range(len(mb.rows)))
+            mb = replace(mb, packs=[[next(at) for _ in units[u]] for u in us])
+        out.append(mb)
+    return out
