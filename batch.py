@@ -14,7 +14,7 @@ What it does:
 What it does not do: compute anything of the loss (grpo.py) or the logprobs (model.py).
 """
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -54,56 +54,34 @@ class Batch:
         idx = torch.tensor(rows)
         L = max(self.lengths[r] for r in rows)
         T = int(self.resp_mask[idx].sum(1).max().clamp(min=1))
-        cut = lambda t: None if t is None else t[idx, :T]  # noqa: E731
-        return Batch(
-            self.input_ids[idx, :L],
-            self.attention_mask[idx, :L],
-            self.resp_start[idx],
-            cut(self.resp_mask),
-            cut(self.gen_logp),
-            self.advantages[idx],
-            cut(self.loss_mask),
-            self.truncated[idx],
-            [self.lengths[r] for r in rows],
-            list(rows),
-            cut(self.old_logp),
-            cut(self.ref_logp),
-        )
+        width = dict(input_ids=L, attention_mask=L)  # the [N, T] ones to T
+
+        def cut(name: str, t: torch.Tensor) -> torch.Tensor:
+            return t[idx, : width.get(name, T)] if t.dim() == 2 else t[idx]
+
+        return self.map(cut, lengths=[self.lengths[r] for r in rows], rows=list(rows))
 
     def stand_in(self) -> "Batch":
-        """FSDP's stand-in for a micro-batch this rank lacks (plan): one row of two tokens,
-        a prompt token and a response token (so every parameter takes part, as FSDP's gradient
-        reduction needs), whose masks and advantage are 0, so its loss, gradient and metrics are 0;
-        it costs two tokens, whatever the batch's rows."""
+        """FSDP's stand-in for a micro-batch this rank lacks (plan): one row of two tokens, a prompt
+        token and a response token (so every parameter takes part, as FSDP's gradient reduction
+        needs), whose masks and advantage are 0, so its loss, gradient and metrics are 0; it costs
+        two tokens, whatever the batch's rows."""
+        one = dict(input_ids=[[0, 0]], attention_mask=[[1, 1]], resp_start=[1])
 
-        def zeros(t, *shape):
-            return None if t is None else torch.zeros(*shape, dtype=t.dtype)
+        def fill(name: str, t: torch.Tensor) -> torch.Tensor:
+            return torch.tensor(one[name]) if name in one else t.new_zeros((1, 1)[: t.dim()])
 
-        return Batch(
-            torch.zeros(1, 2, dtype=torch.long),
-            torch.ones(1, 2, dtype=torch.long),
-            torch.tensor([1]),
-            zeros(self.resp_mask, 1, 1),
-            zeros(self.gen_logp, 1, 1),
-            zeros(self.advantages, 1),
-            zeros(self.loss_mask, 1, 1),
-            torch.zeros(1, dtype=torch.bool),
-            [2],
-            [],
-            zeros(self.old_logp, 1, 1),
-            zeros(self.ref_logp, 1, 1),
-        )
+        return self.map(fill, lengths=[2], rows=[])
 
     def to(self, device) -> "Batch":
         """The same rows with every tensor on `device`."""
-        return replace(
-            self,
-            **{
-                f.name: getattr(self, f.name).to(device)
-                for f in fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)
-            },
-        )
+        return self.map(lambda _, t: t.to(device))
+
+    def map(self, f, **others) -> "Batch":
+        """A Batch of f(name, tensor) for each tensor of this one (None stays None), and `others`
+        for its other fields."""
+        tensors = {k: f(k, t) for k, t in vars(self).items() if isinstance(t, torch.Tensor)}
+        return replace(self, **tensors, **others)
 
 
 def make_batch(

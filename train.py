@@ -211,10 +211,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         engine.sleep()  # on GPU the trainer takes the engine's memory; load_weights wakes it
         runtime.reset_peak_memory(device)  # peak_mem_gib: the trainer's peak, steps 4-6
         # 4. advantages [P, G] from each group's rewards, and the trainer's padded batch
-        std = batch_std(groups.rewards, cfg)  # --adv-scale batch: the std over every rank's rewards
-        adv = grpo.group_advantages(
-            groups.rewards, cfg.loss.leave_one_out, cfg.loss.adv_scale, batch_std=std
-        )
+        adv = advantages(groups.rewards, cfg)
         b = batch.make_batch(
             groups.prompts, groups.samples, adv.flatten(), cfg.overlong_filter, pad
         )
@@ -417,16 +414,19 @@ def budget(cfg: Config, prompt: list[int]) -> int:
     return min(cfg.max_new_tokens, cfg.max_seq_len - len(prompt))
 
 
-def batch_std(rewards: torch.Tensor, cfg: Config) -> float | None:
-    """The sample std of every reward of the step over all ranks, for --adv-scale batch (else
-    None)."""
-    if cfg.loss.adv_scale != "batch":
-        return None
-    r = rewards.double().flatten()
-    n, s1, s2 = distributed.all_reduce_sum(
-        torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(), (r * r).sum()])
-    ).tolist()
-    return max((s2 - s1 * s1 / n) / max(n - 1, 1), 0.0) ** 0.5
+def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Step 4: each sample's advantage [P, G] from its group's rewards [P, G] (grpo.py); with
+    --adv-scale batch, scaled by the sample std of every reward of the step over all ranks."""
+    std = None
+    if cfg.loss.adv_scale == "batch":
+        r = rewards.double().flatten()
+        n, s1, s2 = distributed.all_reduce_sum(
+            torch.stack(
+                [torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(), (r * r).sum()]
+            )
+        ).tolist()
+        std = max((s2 - s1 * s1 / n) / max(n - 1, 1), 0.0) ** 0.5
+    return grpo.group_advantages(rewards, cfg.loss.leave_one_out, cfg.loss.adv_scale, batch_std=std)
 
 
 # ----------------------------------------------------------------------------------------------
