@@ -103,17 +103,13 @@ def make_batch(
                  the loss
       truncated  [False, True], lengths [4, 3], rows [0, 1]
     """
-    N = len(samples)  # 0 on a rank with no group this step (collect_groups)
+    N = len(samples)  # 0 on a rank with no group this step (train.collect_groups)
     seqs = [prompts[s.prompt_idx] + s.token_ids for s in samples]
-    L = max((len(s) for s in seqs), default=1)
+    ids, am = pad(seqs, pad_id)
     T = max((len(s.token_ids) for s in samples), default=1) or 1
-    ids = torch.full((N, L), pad_id, dtype=torch.long)
-    am = torch.zeros(N, L, dtype=torch.long)
     resp_mask = torch.zeros(N, T)
     gen_logp = torch.zeros(N, T)
-    for i, (seq, s) in enumerate(zip(seqs, samples)):
-        ids[i, : len(seq)] = torch.tensor(seq)
-        am[i, : len(seq)] = 1
+    for i, s in enumerate(samples):
         resp_mask[i, : len(s.token_ids)] = 1
         gen_logp[i, : len(s.token_ids)] = torch.tensor(s.logprobs)
     start = torch.tensor([len(prompts[s.prompt_idx]) for s in samples], dtype=torch.long)
@@ -131,6 +127,17 @@ def make_batch(
         [len(s) for s in seqs],
         list(range(N)),
     )
+
+
+def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences as right-padded rows [N, L] and their attention mask [N, L]."""
+    L = max(map(len, seqs), default=1)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    am = torch.zeros(len(seqs), L, dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        am[i, : len(seq)] = 1
+    return ids, am
 
 
 def trained_rows(b: Batch, rows: list[int], skip: bool, kl: bool) -> list[int]:

@@ -30,7 +30,6 @@ What it does not do: generate during training (DPO is offline), reward models, o
 exports a saved step.
 """
 
-import random
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -39,6 +38,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+import batch
 import data
 import distributed
 import eval_aime
@@ -255,22 +255,6 @@ def load_pairs(
     return rows
 
 
-def sum3_pairs(problems: list[data.Problem], seed: int) -> list[PrefRow]:
-    """The demo's synthetic preferences: two pairs per prompt "a+b+c=", both with chosen = the right
-    sum. The first rejects the careless a+b that the base model prefers (when c != 0; when c = 0 it
-    *is* the right sum, so another wrong number in 0..27 instead), the second another wrong number:
-    rejecting only a+b would teach "not a+b", and the probability it loses could go to any other
-    wrong answer as well as to the right one."""
-    rng = random.Random(seed)
-    rows = []
-    for p in problems:
-        a, b, c = (int(x) for x in p.prompt.rstrip("=").split("+"))
-        others = rng.sample([n for n in range(28) if n not in (a + b + c, a + b)], 2)
-        for wrong in ([a + b] if c else others[1:]) + others[:1]:
-            rows.append(PrefRow(p.prompt, p.answer, str(wrong)))
-    return rows
-
-
 def encode_pairs(tok, rows: list[PrefRow], max_seq_len: int, what: str) -> list[Pair]:
     """Token ids: the prompt through the chat template when the tokenizer has one (else plain text,
     as for the tiny model), each response as plain tokens + EOS (the end of an assistant turn).
@@ -319,9 +303,13 @@ def load_preferences(cfg: DPOConfig) -> tuple[list[PrefRow], list[PrefRow], list
     run = cfg.run
     if not run.data:
         train_set, heldout = demo_function("tasks.py:sum3_split")()
+
+        def pairs(problems, seed):  # the demo's synthetic preferences
+            return [PrefRow(*r) for r in demo_function("tasks.py:sum3_pairs")(problems, seed)]
+
         # the held-out pairs' wrong answers from a stream of their own (seed + 1), not the training
         # pairs' again
-        return sum3_pairs(train_set, run.seed), sum3_pairs(heldout, run.seed + 1), heldout
+        return pairs(train_set, run.seed), pairs(heldout, run.seed + 1), heldout
     rows = load_pairs(run.data, cfg.prompt_field, cfg.chosen_field, cfg.rejected_field)
     if run.val_data:
         return (
@@ -342,12 +330,7 @@ def pack(pairs: list[Pair], pad_id: int, device) -> dict:
     forward for both)."""
     seqs = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
     resp = [len(p.chosen) for p in pairs] + [len(p.rejected) for p in pairs]
-    L = max(map(len, seqs))
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)  # [2n, L]
-    am = torch.zeros(len(seqs), L, dtype=torch.long)  # [2n, L]
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        am[i, : len(s)] = 1
+    ids, am = batch.pad(seqs, pad_id)  # [2n, L] each
     start = torch.tensor([len(p.prompt) for p in pairs] * 2)  # [2n]
     return dict(
         input_ids=ids.to(device),
@@ -383,7 +366,7 @@ def pair_logps(
 STAND_IN = Pair((1,), (2,), (2,), weight=0.0)
 
 
-def micro_batches(pairs: list[Pair], token_budget: int) -> list[tuple[list[int], list[Pair]]]:
+def pair_micro_batches(pairs: list[Pair], token_budget: int) -> list[tuple[list[int], list[Pair]]]:
     """(rows, their pairs) per micro-batch: whole pairs (the loss needs both rows) within the token
     budget counted over both padded rows, longest first (distributed.micro_batches), and as many on
     every rank: a rank with fewer runs ([], [STAND_IN]) in place of each it lacks (FSDP's
@@ -409,7 +392,7 @@ def update(
     """
     policy.train()
     sums = PairMetrics()
-    micro = micro_batches(pairs, cfg.run.micro_batch_tokens)
+    micro = pair_micro_batches(pairs, cfg.run.micro_batch_tokens)
     for k, (_, mb) in enumerate(micro):
         with torch.no_grad():
             ref_c, ref_r = pair_logps(ref, mb, cfg, device, pad_id, grad=False)  # [n], [n]
@@ -438,7 +421,7 @@ def eval_logps(m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int) -> tor
     """[n, 2] log pi of (chosen, rejected) for this rank's share of `pairs` (no grad; every rank the
     same passes)."""
     out = torch.zeros(len(pairs), 2, dtype=torch.float64)
-    for rows, mb in micro_batches(pairs, cfg.run.micro_batch_tokens):
+    for rows, mb in pair_micro_batches(pairs, cfg.run.micro_batch_tokens):
         c, r = pair_logps(m, mb, cfg, device, pad_id, grad=False)
         out[rows] = torch.stack([c, r], 1).double().cpu()  # a stand-in's rows are none
     return out

@@ -70,7 +70,8 @@ class Config:
     # while the trainer runs); the stage presets size it to the stage's KV cache
     gpu_memory_utilization: float = 0.6
     # CPU: vLLM's KV cache in GiB; 0 = room for this rank's engine's share of a step (its P x G
-    # sequences, each its longest prompt and --max-new-tokens: kv_cache_gib), so none is preempted
+    # sequences, each its longest prompt and --max-new-tokens: memory.kv_cache_gib), so none is
+    # preempted
     kv_cache_gib: float = 0.0
     # the task
 
@@ -247,7 +248,7 @@ def load_policy_and_ref(cfg: Config, path: str, device):
     )
     if cfg.loss.kl_beta == 0:
         return policy, None
-    if cfg.skip_zero_advantage:  # trained_rows
+    if cfg.skip_zero_advantage:  # batch.trained_rows
         distributed.print0(
             f"--kl-beta {cfg.loss.kl_beta}: every sample with loss tokens runs forward and "
             "backward in the update (the KL term does not vanish with the advantage)"

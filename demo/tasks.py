@@ -54,6 +54,22 @@ def sum3_split(n_heldout: int = 200, seed: int = 1234) -> tuple[list[Problem], l
     return problems[n_heldout:], problems[:n_heldout]
 
 
+def sum3_pairs(problems: list[Problem], seed: int) -> list[tuple[str, str, str]]:
+    """dpo.py's demo preferences, (prompt, chosen, rejected) from the sum3 problems: two pairs per
+    prompt "a+b+c=", both with chosen = the right sum. The first rejects the careless a+b that the
+    base model prefers (when c != 0; when c = 0 it *is* the right sum, so another wrong number in
+    0..27 instead), the second another wrong number: rejecting only a+b would teach "not a+b", and
+    the probability it loses could go to any other wrong answer as well as to the right one."""
+    rng = random.Random(seed)
+    rows = []
+    for p in problems:
+        a, b, c = (int(x) for x in p.prompt.rstrip("=").split("+"))
+        others = rng.sample([n for n in range(28) if n not in (a + b + c, a + b)], 2)
+        for wrong in ([a + b] if c else others[1:]) + others[:1]:
+            rows.append((p.prompt, p.answer, str(wrong)))
+    return rows
+
+
 def noisy_corpus(problems: list[Problem], n: int, noise: float, seed: int = 0) -> list[str]:
     """n lines "prompt + answer" for pretraining, where a fraction `noise` of the answers is a
     careless sum a+b.

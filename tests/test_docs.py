@@ -278,3 +278,20 @@ def test_each_check_fails_on_a_broken_reference(monkeypatch, broken):
     }[broken]
     with pytest.raises(AssertionError):
         check()
+
+
+def test_the_core_imports_nothing_from_demo_or_tools():
+    """The dependency points one way: the top-level files (the core) import nothing from demo/ or
+    tools/, which build on the core (a built-in name is resolved by loading a demo file by path:
+    checks.demo_function)."""
+    wrong = []
+    for f in sorted(ROOT.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            wrong += [f"{f.name}: {n}" for n in names if n.split(".")[0] in ("demo", "tools")]
+    assert not wrong

@@ -327,7 +327,7 @@ def test_over_long_pairs_are_dropped_and_counted(tok, capsys):
 
 def test_synthetic_pairs_prefer_the_right_sum():
     train_set, _ = tasks.sum3_split()
-    rows = dpo.sum3_pairs(train_set, seed=0)
+    rows = [dpo.PrefRow(*r) for r in tasks.sum3_pairs(train_set, seed=0)]
     assert len(rows) == 2 * len(train_set)
     for p, r1, r2 in zip(train_set, rows[::2], rows[1::2]):
         a, b, c = (int(x) for x in p.prompt.rstrip("=").split("+"))
