@@ -348,8 +348,7 @@ def pair_logps(
     b = pack(pairs, pad_id, device)
     with torch.set_grad_enabled(grad), runtime.autocast(cfg.run, device):
         # [2n, T]
-        lp, _ = model.token_logprobs(
-            m,
+        lp, _ = m(
             b["input_ids"],
             b["attention_mask"],
             b["resp_start"],

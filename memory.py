@@ -439,26 +439,9 @@ if __name__ == "__main__":
             precision: a GPU's bf16 policy (train.py --mixed-precision; fsdp, its default under
                 torchrun).
         """
-        path = model or config
-        s = Shape.from_config(path) if path else Shape()
-        print(
-            table(
-                s,
-                lengths,
-                ranks=ranks,
-                seqs_per_rank=seqs_per_rank,
-                chunk_tokens=chunk_tokens,
-                checkpointing=checkpointing,
-                micro_batches=micro_batches,
-                device=device,
-                vllm_fraction=vllm_fraction,
-                gpu_gib=gpu_gib,
-                kv_cache_gib=kv_cache_gib,
-                process_gib=process_gib,
-                lora_rank=lora_rank,
-                seq_len=seq_len,
-                precision=precision,
-            )
-        )
+        kw = dict(locals())  # every flag but these three is an argument of estimate()
+        path, lengths = kw.pop("model") or kw.pop("config"), kw.pop("lengths")
+        kw.pop("config", None)
+        print(table(Shape.from_config(path) if path else Shape(), lengths, **kw))
 
     tyro.cli(main)

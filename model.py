@@ -13,10 +13,10 @@ What it does:
 - hf_weights: the full weights of the model the policy is, under HF's names, as the engine's refit
   and an HF export take them (with LoRA: base and adapters merged).
 - plain_logprobs: the definition of the response tokens' logprobs, log_softmax of the model's own
-  logits at the sampling temperature, gathered at the sampled tokens. token_logprobs
-  (LogprobModel) computes the same numbers the way the trainer runs them, through the fast paths
-  of fastpaths.py (the LM head's hand-written backward, rows that share a prompt packed), which
-  the tests check against this definition.
+  logits at the sampling temperature, gathered at the sampled tokens. LogprobModel computes the
+  same numbers the way the trainer runs them, through the fast paths of fastpaths.py (the LM
+  head's hand-written backward, rows that share a prompt packed), which the tests check against
+  this definition.
 
 What it does not do: build the demos' base models (demo/bases.py), generation (rollout.py), or the
 loss (grpo.py).
@@ -163,7 +163,7 @@ def plain_logprobs(lm, input_ids, attention_mask, resp_start, resp_len: int, tem
     tokens y_t (at resp_start + t) under the model's own logits divided by the sampling
     temperature, and the policy's entropy there [B, T], both 0 past a row's response. The rows are
     right-padded: under causal attention no real token sees a pad, so no padding mask is needed.
-    Slow and memory-hungry ([B, L, V] logits at once): the tests' oracle for token_logprobs."""
+    Slow and memory-hungry ([B, L, V] logits at once): the tests' oracle for LogprobModel."""
     B, L = input_ids.shape
     logits = lm(input_ids=input_ids, use_cache=False).logits  # [B, L, V]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
@@ -233,9 +233,3 @@ class LogprobModel(torch.nn.Module):
         out = h.new_zeros(2, B, resp_len, dtype=torch.promote_types(h.dtype, torch.float32))
         at = (rows, cols)
         return out[0].index_put(at, lp.to(out.dtype)), out[1].index_put(at, en.to(out.dtype))
-
-
-def token_logprobs(model, input_ids, attention_mask, resp_start, resp_len, *args, **kw):
-    """LogprobModel's forward (see there for the arguments) for an HF model or a LogprobModel."""
-    m = model if isinstance(model, LogprobModel) else LogprobModel(model)
-    return m(input_ids, attention_mask, resp_start, resp_len, *args, **kw)

@@ -438,8 +438,8 @@ def logprobs(m, mb: Batch, cfg: Config, device, grad: bool) -> tuple[torch.Tenso
     """log pi of mb's response tokens at the sampling temperature, [n, T], and with grad the
     policy's entropy there (else zeros), under the run's precision policy (runtime.autocast)."""
     with torch.set_grad_enabled(grad), runtime.autocast(cfg.run, device):
-        return model.token_logprobs(
-            m, mb.input_ids, mb.attention_mask, mb.resp_start, mb.T, cfg.temperature,
+        return m(
+            mb.input_ids, mb.attention_mask, mb.resp_start, mb.T, cfg.temperature,
             cfg.run.logprob_chunk_tokens, with_entropy=grad, packs=mb.packs,
         )  # fmt: skip
 
@@ -514,10 +514,6 @@ def update_policy(
         # a minibatch with nothing to train on anywhere still steps AdamW (its moments and weight
         # decay move the weights on a zero gradient): one stand-in pass gives every rank that zero
         micro = plan(policy, b, rows, cfg, skip=True) or [b.stand_in()]
-        # the skipped rows' loss tokens count where they would have (A = 0 clips nothing)
-        upd.loss.tokens += float(b.loss_mask[rows].sum()) - sum(
-            float(m.loss_mask.sum()) for m in micro
-        )
         for k, mb in enumerate(micro):
             mb = mb.to(device)
             logp, entropy = logprobs(policy, mb, cfg, device, grad=True)  # [n, T] each
@@ -533,6 +529,8 @@ def update_policy(
     if upd.skipped < n:  # the LR schedule counts GRPO steps, as NeMo-RL's (not all-skipped ones)
         sched.step()
     policy.eval()
+    # the clip fractions' denominator: every loss token, the skipped rows' too (A = 0 clips nothing)
+    upd.loss.tokens = float(b.loss_mask.sum())
     return upd
 
 

@@ -311,9 +311,7 @@ def refit(out: Path, tp: int):
     samples = engine.generate(prompts, n=4, max_tokens=8, seed=group)
     b = batch.make_batch(prompts, samples, torch.zeros(len(samples)), False, tok.pad_token_id)
     with torch.no_grad():
-        lp, _ = model.token_logprobs(
-            policy, b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1]
-        )
+        lp, _ = policy(b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1])
     diff = float(((lp - b.gen_logp).abs() * b.resp_mask).sum() / b.resp_mask.sum())
     # (gold, response) in the order the evaluation scores them: k samples of each prompt, then
     # greedy
@@ -354,7 +352,7 @@ def policy(out: Path):
     pol = model.load_trainable(path, device, checkpointing=False)
     ids = torch.tensor([tok("1+2+3=6")["input_ids"]])
     with torch.no_grad(), runtime.autocast(cfg.run, device):
-        model.token_logprobs(pol, ids, torch.ones_like(ids), torch.tensor([6]), 2)
+        pol(ids, torch.ones_like(ids), torch.tensor([6]), 2)
     params = {n: (isinstance(p, DTensor), str(p.dtype)) for n, p in pol.named_parameters()}
     state = distributed.full_state_dict(pol.lm)
     checkpoint.save_hf(pol.lm, tok, out / "export")
@@ -417,7 +415,7 @@ def saved(out: Path):
     tok = model.load_tokenizer(path)
     ids = torch.tensor([tok("1+2+3=6")["input_ids"], tok("4+5+6=9")["input_ids"]])
     for _ in range(2):
-        lp, _ = model.token_logprobs(policy, ids, torch.ones_like(ids), torch.tensor([6, 6]), 2)
+        lp, _ = policy(ids, torch.ones_like(ids), torch.tensor([6, 6]), 2)
         (-lp.sum()).backward()
         opt.step()
         opt.zero_grad()

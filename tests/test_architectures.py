@@ -1,6 +1,6 @@
 """The trainer's logprobs are the model's own on every decoder-only family a user is likely to
 load: for each, a tiny model built from its transformers config (random weights, no download)
-gives through model.token_logprobs (one row per sample, and packed rows where fastpaths.can_pack
+gives through model.LogprobModel (one row per sample, and packed rows where fastpaths.can_pack
 allows) the
 float64 logprobs and gradient of log_softmax over its own forward's logits, whatever that forward
 does to them (a head bias, Gemma's final soft-capping, Cohere's logit_scale, Granite's

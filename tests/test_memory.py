@@ -37,7 +37,7 @@ def test_autocast_weight_copies_are_what_a_forward_keeps_for_backward(tiny_path,
     ids = tok(["1+2+3=6", "4+5+6=15"], return_tensors="pt", padding=True)["input_ids"]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
-            lp, _ = model.token_logprobs(m, ids, torch.ones_like(ids), torch.tensor([5, 5]), 2)
+            lp, _ = model.LogprobModel(m)(ids, torch.ones_like(ids), torch.tensor([5, 5]), 2)
     s = memory.Shape.from_config(tiny_path)
     layer, _ = s.params()
     measured = sum(saved.values())

@@ -84,8 +84,8 @@ def test_chunked_logprobs_match_float64(tiny_path, tok, chunk, temperature):
     m = model.load_model(tiny_path)
     input_ids, am, start, T, resp_lens = random_batch(tok)
     with torch.no_grad():
-        lp, ent = model.token_logprobs(
-            m, input_ids, am, start, T, temperature, chunk, with_entropy=True
+        lp, ent = model.LogprobModel(m)(
+            input_ids, am, start, T, temperature, chunk, with_entropy=True
         )
         want_lp, want_ent = reference(
             model.load_model(tiny_path), input_ids, am, start, T, resp_lens, temperature
@@ -108,8 +108,8 @@ def test_chunked_gradient_matches_float64_reference(
     input_ids, am, start, T, resp_lens = random_batch(tok, seed=1)
     coef = torch.randn(len(resp_lens), T, generator=torch.Generator().manual_seed(0)).double()
     m = model.load_model(tiny_path).double()
-    lp, ent = model.token_logprobs(
-        m, input_ids, am, start, T, temperature, chunk_tokens=chunk, with_entropy=with_entropy
+    lp, ent = model.LogprobModel(m)(
+        input_ids, am, start, T, temperature, chunk_tokens=chunk, with_entropy=with_entropy
     )
     assert not ent.requires_grad
     (coef * lp).sum().backward()
@@ -167,8 +167,8 @@ def test_shared_prompts_give_the_float64_logprobs_and_gradient(tiny_path, tok, p
     m.model.embed_tokens.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape))
     prompts = [tuple(r[:s]) for r, s in zip(input_ids.tolist(), start.tolist())]
     packs = fastpaths.prompt_packs(prompts, resp_lens, pack_tokens)
-    lp, ent = model.token_logprobs(
-        m, input_ids, am, start, T, 0.7, 4096, with_entropy=True, packs=packs
+    lp, ent = model.LogprobModel(m)(
+        input_ids, am, start, T, 0.7, 4096, with_entropy=True, packs=packs
     )
     (coef * lp).sum().backward()
     got = torch.cat([p.grad.flatten() for p in m.parameters()])
@@ -193,7 +193,7 @@ def test_the_trainers_decoder_keeps_no_kv_cache(tiny_path, tok, shared):
     m.model.register_forward_hook(lambda mod, args, out: caches.append(out.past_key_values))
     prompts = [tuple(r[:s]) for r, s in zip(input_ids.tolist(), start.tolist())]
     packs = fastpaths.prompt_packs(prompts, resp_lens, 10_000) if shared else None
-    model.token_logprobs(m, input_ids, am, start, T, packs=packs)
+    model.LogprobModel(m)(input_ids, am, start, T, packs=packs)
     assert caches == [None]
 
 
@@ -206,7 +206,7 @@ def test_only_sdpa_models_share_a_prompt(tiny_path, tok):
     assert not model.LogprobModel(m).packable
     input_ids, am, start, T, resp_lens = shared_prompt_batch(tok)
     with pytest.raises(ValueError, match="takes no packed rows"):
-        model.token_logprobs(m, input_ids, am, start, T, packs=[list(range(len(resp_lens)))])
+        model.LogprobModel(m)(input_ids, am, start, T, packs=[list(range(len(resp_lens)))])
     m = model.load_model(tiny_path)
     assert model.LogprobModel(m).packable and m.config._attn_implementation != "sdpa"
     prompt = input_ids[:1, : int(start[0])]
@@ -242,7 +242,7 @@ def test_the_lm_head_runs_in_float32_under_the_bf16_policy(tiny_path, tok):
     m.model.norm.register_forward_hook(lambda mod, args, out: hidden.__setitem__("h", out))
     input_ids, am, start, T, resp_lens = random_batch(tok, seed=2)
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
-        lp, _ = model.token_logprobs(m, input_ids, am, start, T)
+        lp, _ = model.LogprobModel(m)(input_ids, am, start, T)
     h, w = hidden["h"].double(), m.lm_head.weight.double()
     # the residual stream and final norm stay float32 under autocast
     assert hidden["h"].dtype == torch.float32

@@ -21,8 +21,8 @@ def prompts_of(tok, n=64):
 def trainer_logprobs(m, prompts, samples):
     b = batch.make_batch(prompts, samples, torch.zeros(len(samples)), False, 0)
     with torch.no_grad():
-        lp, _ = model.token_logprobs(
-            m, b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1]
+        lp, _ = model.LogprobModel(m)(
+            b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1]
         )
     return lp, b.gen_logp, b.resp_mask
 
@@ -113,8 +113,7 @@ def test_hf_engine_logprobs_are_those_of_the_sampling_temperature(tiny_path, tok
     )
     b = batch.make_batch([p for p in prompts], samples, torch.zeros(len(samples)), False, 0)
     with torch.no_grad():
-        lp, _ = model.token_logprobs(
-            model.load_model(tiny_path),
+        lp, _ = model.LogprobModel(model.load_model(tiny_path))(
             b.input_ids,
             b.attention_mask,
             b.resp_start,

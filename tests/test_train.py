@@ -417,7 +417,7 @@ def test_dtype_flag_sets_the_training_compute_on_cpu(tiny_path, dtype):
         model.LogprobModel(lm), mb, config(train.Config, dtype=dtype), cpu, grad=True
     )[0]
     # [4, 20] float64
-    ref = model.token_logprobs(
+    ref = model.plain_logprobs(
         model.load_model(tiny_path, dtype=torch.float64),
         mb.input_ids,
         mb.attention_mask,
@@ -453,8 +453,8 @@ def test_a_stand_in_micro_batch_is_two_tokens_whatever_the_batch(tok):
     assert stand_in.input_ids.shape == (1, 2) and stand_in.T == 1 and stand_in.rows == []
     assert float(stand_in.loss_mask.sum()) == 0.0 and float(stand_in.advantages.abs().sum()) == 0.0
     m = model.load_model(model.resolve(bases.TINY))
-    lp, _ = model.token_logprobs(
-        m, stand_in.input_ids, stand_in.attention_mask, stand_in.resp_start, stand_in.T
+    lp, _ = model.LogprobModel(m)(
+        stand_in.input_ids, stand_in.attention_mask, stand_in.resp_start, stand_in.T
     )
     # its one response token goes through the LM head: every parameter takes part
     assert lp.shape == (
