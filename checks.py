@@ -16,6 +16,7 @@ What it does not do: check DPO's or eval_aime.py's flags (each entry point's val
 """
 
 import os
+import runpy
 import sys
 from pathlib import Path
 
@@ -161,16 +162,7 @@ def grpo_flags(cfg, world: int) -> None:
 
 
 def demo_function(spec: str):
-    """The function `file.py:name` of demo/, loaded by its path (as --reward loads a user's file)
-    where a built-in name is resolved (--model tiny, the sum3 task): the core imports nothing from
-    demo/, which builds on the core."""
-    import importlib.util
-
+    """The function `file.py:name` of demo/, loaded by its path where a built-in name is resolved
+    (--model tiny, the sum3 task): the core imports nothing from demo/, which builds on the core."""
     path, _, name = spec.rpartition(":")
-    file = Path(__file__).resolve().parent / "demo" / path
-    key = f"demo_{file.stem}"
-    if key not in sys.modules:
-        spec_ = importlib.util.spec_from_file_location(key, file)
-        sys.modules[key] = importlib.util.module_from_spec(spec_)
-        spec_.loader.exec_module(sys.modules[key])
-    return getattr(sys.modules[key], name)
+    return runpy.run_path(str(Path(__file__).resolve().parent / "demo" / path))[name]
