@@ -169,17 +169,17 @@ def minibatches(n_rows: int, n: int, group_size: int, first_group: int) -> list[
 
 
 def plan(
-    b: Batch, rows: list[int], token_budget: int, share: bool, skip: bool = False, kl: bool = False
+    b: Batch, rows: list[int], token_budget: int, pack: bool, skip: bool = False, kl: bool = False
 ) -> list[Batch]:
     """The micro-batches a pass over `rows` of b runs (trained_rows: with `skip`, those whose loss
     term can be non-zero), each trimmed to its own rows, whose tokens stay within the budget
     (distributed.micro_batches: longest first), and as many on every rank: a rank with fewer runs
-    b.stand_in() in place of each it lacks. A collective. `share`: rows that share a prompt go in
+    b.stand_in() in place of each it lacks. A collective. `pack`: rows that share a prompt go in
     packs of at most the budget's tokens (fastpaths.prompt_packs), each a row of the forward
     counted as its prompt plus its responses; a micro-batch holds whole packs (Batch.packs)."""
     rows = trained_rows(b, rows, skip, kl)
     units, cost = [[r] for r in rows], [b.lengths[r] for r in rows]
-    if share:
+    if pack:
         prompts = [tuple(b.input_ids[r, : b.resp_start[r]].tolist()) for r in rows]
         resp = [b.lengths[r] - int(b.resp_start[r]) for r in rows]
         packs = fastpaths.prompt_packs(prompts, resp, token_budget)
@@ -188,7 +188,7 @@ def plan(
     out = []
     for us in distributed.micro_batches(cost, list(range(len(units))), token_budget):
         mb = b.select([r for u in us for r in units[u]]) if us else b.stand_in()
-        if share and us:  # each pack's rows by their place in mb
+        if pack and us:  # each pack's rows by their place in mb
             at = iter(range(len(mb.rows)))
             mb = replace(mb, packs=[[next(at) for _ in units[u]] for u in us])
         out.append(mb)

@@ -461,3 +461,27 @@ def test_a_stand_in_micro_batch_is_two_tokens_whatever_the_batch(tok):
         1,
         1,
     )
+
+
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_batch_scaled_advantages_divide_by_the_std_of_every_reward(leave_one_out):
+    """--adv-scale batch (train.advantages): each reward less its group's baseline (the mean, or
+    the mean of the others), divided by the sample std of every reward of the step, against a
+    float64 computation written out; an all-equal group keeps advantage 0."""
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    cfg = config(train.Config, adv_scale="batch", leave_one_out=leave_one_out)
+    got = train.advantages(r, cfg)
+    x = [[float(v) for v in row] for row in r.tolist()]
+    flat = [v for row in x for v in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((v - mean) ** 2 for v in flat) / (len(flat) - 1))
+    G = len(x[0])
+    want = [
+        [
+            (v - (sum(row) - v) / (G - 1) if leave_one_out else v - sum(row) / G) / (std + 1e-6)
+            for v in row
+        ]
+        for row in x
+    ]
+    assert torch.allclose(got.double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
+    assert got[2].abs().sum() == 0
