@@ -445,12 +445,12 @@ def logprobs(m, mb: Batch, cfg: Config, device, grad: bool) -> tuple[torch.Tenso
 
 
 def plan(m, b: Batch, rows: list[int], cfg: Config, skip: bool) -> list[Batch]:
-    """The micro-batches of a pass of `m` over `rows` (batch.plan): with `skip`, only the rows whose
-    loss term can be non-zero (--skip-zero-advantage, while --kl-beta is 0); packed by prompt with
-    --share-prompt where the model allows it."""
-    skip = skip and cfg.skip_zero_advantage and cfg.loss.kl_beta == 0
+    """The micro-batches of a pass of `m` over `rows` (batch.plan): with `skip` and
+    --skip-zero-advantage, only the rows whose loss term can be non-zero (all that have loss tokens
+    while the KL term is on); packed by prompt with --share-prompt where the model allows it."""
     pack = cfg.share_prompt and m.packable
-    return batch.plan(b, rows, cfg.run.micro_batch_tokens, pack, skip)
+    skip, kl = skip and cfg.skip_zero_advantage, cfg.loss.kl_beta > 0
+    return batch.plan(b, rows, cfg.run.micro_batch_tokens, pack, skip, kl)
 
 
 def n_minibatches(cfg: Config) -> int:
