@@ -485,3 +485,23 @@ def test_batch_scaled_advantages_divide_by_the_std_of_every_reward(leave_one_out
     ]
     assert torch.allclose(got.double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
     assert got[2].abs().sum() == 0
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.1])
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_update_plan_runs_the_rows_whose_loss_term_can_be_nonzero(tiny_path, kl_beta, skip):
+    """train.plan: with --skip-zero-advantage, a row runs when some token counts in the loss and,
+    unless the KL term is on (it does not vanish with A), its advantage is not 0; without it every
+    row runs. Rows: A = 1 with loss tokens, A = 0 with loss tokens, A = 1 overlong-filtered."""
+    samples = [rollout.Sample(0, [5, 6], [0.0, 0.0], t) for t in (False, False, True)]
+    b = batch.make_batch([[1, 2, 3]], samples, torch.tensor([1.0, 0.0, 1.0]), True, 0)
+    cfg = config(train.Config, kl_beta=kl_beta, skip_zero_advantage=skip)
+    m = model.LogprobModel(model.load_model(tiny_path))
+    ran = sorted(r for mb in train.plan(m, b, b.rows, cfg, skip=True) for r in mb.rows)
+    assert ran == ([0, 1] if kl_beta else [0]) if skip else [0, 1, 2]
+    # the reference model's pass (skip=False) runs every row
+    assert sorted(r for mb in train.plan(m, b, b.rows, cfg, skip=False) for r in mb.rows) == [
+        0,
+        1,
+        2,
+    ]
