@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import dpo
+import model
 from demo import tasks
 import train
 from checks import UserError
@@ -118,7 +119,8 @@ def test_pair_logps_match_float64_full_logits(tiny_path, tok, loss):
     ]
     pairs = dpo.encode_pairs(tok, rows, 64, "test")
     cfg = config(dpo.DPOConfig, loss=loss, logprob_chunk_tokens=3)
-    c, r = dpo.pair_logps(lm, pairs, cfg, torch.device("cpu"), tok.pad_token_id, grad=False)
+    m = model.LogprobModel(lm)
+    c, r = dpo.pair_logps(m, pairs, cfg, torch.device("cpu"), tok.pad_token_id, grad=False)
     lm64 = lm.double()
     for i, p in enumerate(pairs):
         for got, resp in ((c[i], p.chosen), (r[i], p.rejected)):

@@ -21,9 +21,8 @@ def prompts_of(tok, n=64):
 def trainer_logprobs(m, prompts, samples):
     b = batch.make_batch(prompts, samples, torch.zeros(len(samples)), False, 0)
     with torch.no_grad():
-        lp, _ = model.LogprobModel(m)(
-            b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1]
-        )
+        m = m if isinstance(m, model.LogprobModel) else model.LogprobModel(m)
+        lp, _ = m(b.input_ids, b.attention_mask, b.resp_start, b.resp_mask.shape[1])
     return lp, b.gen_logp, b.resp_mask
 
 
