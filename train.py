@@ -259,29 +259,6 @@ def load_policy_and_ref(cfg: Config, path: str, device):
     return policy, ref.eval().requires_grad_(False)
 
 
-def evaluate(engine: rollout.Engine, task: data.Task, cfg: Config, step: int) -> dict:
-    """Held-out pass@1 and greedy accuracy (eval_aime.heldout_accuracy) of the engine's current
-    weights; with --reward FILE:FUNCTION also heldout_reward_errors, the held-out samples it failed
-    on (scored 0)."""
-    figures = eval_aime.heldout_accuracy(
-        engine,
-        task.tok,
-        task.heldout_prompts,
-        [p.answer for p in task.heldout],
-        task.reward_fn,
-        cfg.run.eval_samples,
-        [budget(cfg, p) for p in task.heldout_prompts],
-        cfg.temperature,
-        cfg.run.seed + step,  # fresh samples at every evaluation, the same ones at any world size
-        cfg.tensor_parallel_size,
-        runtime.bars(cfg),
-    )
-    if cfg.reward:
-        failed = torch.tensor([float(task.reward_failures())])
-        figures["heldout_reward_errors"] = int(distributed.all_reduce_sum(failed).item())
-    return figures
-
-
 # ----------------------------------------------------------------------------------------------
 # Steps 1-3: the step's groups
 
@@ -413,6 +390,10 @@ def budget(cfg: Config, prompt: list[int]) -> int:
     """A response's length limit: what its prompt leaves of --max-seq-len, at most --max-new-tokens
     (NeMo-RL caps each request at the engine's max_model_len minus its prompt's length)."""
     return min(cfg.max_new_tokens, cfg.max_seq_len - len(prompt))
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 4: advantages
 
 
 def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -552,6 +533,33 @@ def record(upd: Update, mb: Batch, metrics: grpo.LossMetrics, old, entropy) -> N
     upd.entropy += float((entropy.detach() * mb.resp_mask).sum())
     upd.seqs += len(mb.rows)
     upd.resp_tokens += float(mb.resp_mask.sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# Around the steps: held-out evaluation, the command line
+
+
+def evaluate(engine: rollout.Engine, task: data.Task, cfg: Config, step: int) -> dict:
+    """Held-out pass@1 and greedy accuracy (eval_aime.heldout_accuracy) of the engine's current
+    weights; with --reward FILE:FUNCTION also heldout_reward_errors, the held-out samples it failed
+    on (scored 0)."""
+    figures = eval_aime.heldout_accuracy(
+        engine,
+        task.tok,
+        task.heldout_prompts,
+        [p.answer for p in task.heldout],
+        task.reward_fn,
+        cfg.run.eval_samples,
+        [budget(cfg, p) for p in task.heldout_prompts],
+        cfg.temperature,
+        cfg.run.seed + step,  # fresh samples at every evaluation, the same ones at any world size
+        cfg.tensor_parallel_size,
+        runtime.bars(cfg),
+    )
+    if cfg.reward:
+        failed = torch.tensor([float(task.reward_failures())])
+        figures["heldout_reward_errors"] = int(distributed.all_reduce_sum(failed).item())
+    return figures
 
 
 def main(argv: list[str]) -> None:
