@@ -1209,7 +1209,7 @@ def lora_main(cfg: LoraBenchConfig) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.lora.request import LoRARequest
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
+    sys.path.insert(0, str(ROOT / "tests"))  # trainer_logprobs
     from test_rollout import trainer_logprobs
 
     check(at_least(cfg, rank=1) + [(cfg.steps >= 2, "--steps: at least 2")])
