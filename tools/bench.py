@@ -450,8 +450,8 @@ def flops_table(results: dict, cfg: BenchConfig) -> list[str]:
     c = AutoConfig.from_pretrained(model_for("smollm2"))
     n, G = cfg.prompts * cfg.group_size, cfg.group_size
     model_flops = 3 * n * forward_flops(c, peaks["seq"], peaks["resp"])
-    # --share-prompt: each group in fastpaths.prompt_packs' packs, each pack's matmuls over its prompt
-    # once, attention over each sample's own prompt and response (fastpaths.packed_attention)
+    # --share-prompt: each group in fastpaths.prompt_packs' packs, each pack's matmuls over its
+    # prompt once, attention over each sample's own prompt and response (fastpaths.packed_attention)
     prompt, resp = peaks["seq"] - peaks["resp"], peaks["resp"]
     limit = cfg.micro_batch * round(peaks["seq"])
     packs = fastpaths.prompt_packs([(0,) * round(prompt)] * G, [round(resp)] * G, limit)
