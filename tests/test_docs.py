@@ -31,8 +31,8 @@ SCRIPTS = {
     "tools/experiments.py": [("tools/experiments.py", "ExpConfig")],
     "tools/bench.py": [
         ("tools/bench.py", "BenchConfig"),
-        ("tools/bench.py", "ShapeConfig"),
-        ("tools/bench.py", "LoraBenchConfig"),
+        ("tools/bench_shape.py", "ShapeConfig"),
+        ("tools/bench_lora.py", "LoraBenchConfig"),
     ],
     "memory.py": [("memory.py", "main")],
     "logs.py": [],  # reads its argv by hand: its flags are the "--..." strings in its source

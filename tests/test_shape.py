@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from demo import bases
-from tools import bench
+from tools import bench_shape
 import data
 
 # deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B's config.json, the fields its shape and numerics depend
@@ -93,8 +93,8 @@ def test_r1_shape_builds_a_real_checkpoint(tmp_path):
 
 
 def test_bench_shape_prompts_are_exactly_as_long_as_asked(r1_tok, tmp_path):
-    cfg = bench.ShapeConfig(prompt_tokens=300, response_tokens=8, eval_problems=3)
-    lens = bench.write_problems(r1_tok, tmp_path, cfg)
+    cfg = bench_shape.ShapeConfig(prompt_tokens=300, response_tokens=8, eval_problems=3)
+    lens = bench_shape.write_problems(r1_tok, tmp_path, cfg)
     problems = data.load_problems(str(tmp_path / "problems.jsonl"))
     assert lens == [300] * len(problems) and len(problems) == cfg.prompts_per_step * (
         cfg.steps + cfg.resume_steps
