@@ -322,9 +322,5 @@ def step_metrics(
     )
 
 
-# ----------------------------------------------------------------------------------------------
-# Set-up: flags, task, engine
-
-
 if __name__ == "__main__":
     one_line_errors(lambda: main(sys.argv[1:]))

@@ -105,47 +105,38 @@ def model_checks(a: Adapters, path: str, trust_remote_code: bool = False, name: 
     with torch.device("meta"):
         empty = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     targets, name = " ".join(a.lora_targets), name or path
-    names = [n for n, _ in empty.named_modules()]
+    head = empty.get_output_embeddings()
     # peft matches a target by a module's name or its last parts; it only fails when none matches at
     # all
-    missing = [
-        t
+    hits = {
+        t: [m for n, m in empty.named_modules() if n == t or n.endswith("." + t)]
         for t in a.lora_targets
-        if t != "all-linear" and not any(n == t or n.endswith("." + t) for n in names)
-    ]
-    if missing:
-        linear = sorted(
+    }
+    linear = ", ".join(
+        sorted(
             {
                 n.rsplit(".", 1)[-1]
                 for n, m in empty.named_modules()
-                if isinstance(m, torch.nn.Linear)
+                if isinstance(m, torch.nn.Linear) and m is not head
             }
         )
+    )  # what LoRA here can adapt
+    missing = [t for t in a.lora_targets if t != "all-linear" and not hits[t]]
+    if missing:
         raise UserError(
             f"--lora-targets {targets}: {name} has no module {missing[0]} (its linear layers: "
-            f"{', '.join(linear)})"
+            f"{linear})"
         )
     # peft wraps embeddings too, but neither the refit nor the trainer's head would see those
     # adapters: merged knows lora_A / lora_B (an embedding's are lora_embedding_A / _B), and
     # model.py's logprobs read the head's weight directly, past peft's wrapper (its adapters would
     # get no gradient). Refused here, before anything loads.
-    head = empty.get_output_embeddings()
     for t in a.lora_targets:
-        hit = [m for n, m in empty.named_modules() if n == t or n.endswith("." + t)]
-        if any(isinstance(m, torch.nn.Embedding) or m is head for m in hit):
-            linear = sorted(
-                {
-                    n.rsplit(".", 1)[-1]
-                    for n, m in empty.named_modules()
-                    if isinstance(m, torch.nn.Linear) and m is not head
-                }
-            )
+        if any(isinstance(m, torch.nn.Embedding) or m is head for m in hits[t]):
             raise UserError(
                 f"--lora-targets {targets}: {t} is {name}'s embedding or LM head, which LoRA here "
-                "does not "
-                "adapt (the refit merges linear layers only, and the logprobs read "
-                "the head's own "
-                f"weight); choose among {', '.join(linear)}, or all-linear"
+                "does not adapt (the refit merges linear layers only, and the logprobs read the "
+                f"head's own weight); choose among {linear}, or all-linear"
             )
     try:
         get_peft_model(empty, _peft_config(a))

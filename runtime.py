@@ -168,12 +168,9 @@ def cli(cls, presets: dict[int, dict], argv: list[str]):
     """A `cls` from the command line, its nested flags flat (--eps-high, not --loss.eps-high).
     `--stage N` sets preset N's values as defaults (train.STAGES), and every other flag overrides
     them."""
-    stage = "0"
-    for i, a in enumerate(argv if presets else []):  # (a command with no presets has no --stage)
-        if a.startswith("--stage="):
-            stage = a.split("=", 1)[1]
-        elif a == "--stage" and i + 1 < len(argv):
-            stage = argv[i + 1]
+    # each flag's value (the last where given twice); a command with no presets has no --stage
+    given = dict(zip(argv, argv[1:])) | dict(a.split("=", 1) for a in argv if "=" in a)
+    stage = given.get("--stage", "0") if presets else "0"
     known = ", ".join(str(k) for k in presets)
     check(
         [(stage == "0" or stage in map(str, presets), f"--stage {stage}: unknown stage ({known})")]
