@@ -153,7 +153,7 @@ def grpo_flags(cfg, world: int) -> None:
     )
     # peft must be able to put the adapters on the model: read from its config, no weights load
     if cfg.lora.on:
-        lora.model_checks(
+        lora.target_checks(
             cfg.lora,
             data.model_path(cfg),
             cfg.run.trust_remote_code,

@@ -56,7 +56,7 @@ class RunLog:
         """A fresh file (keep_until None), or the rows up to step keep_until of an interrupted
         run."""
         rows = (
-            [r for r in read_rows(self.path) if r["step"] <= keep_until]
+            [r for r in read_metrics(self.path) if r["step"] <= keep_until]
             if keep_until is not None
             else []
         )
@@ -113,7 +113,7 @@ PANELS = [  # (title, [(metric, label)])
 ]
 
 
-def read_rows(path: Path) -> list[dict]:
+def read_metrics(path: Path) -> list[dict]:
     """The rows of a metrics.jsonl ([] when there is none); a last line cut short by a kill is left
     out."""
     rows = []
@@ -127,7 +127,7 @@ def read_rows(path: Path) -> list[dict]:
 
 def plot(run: Path) -> Path:
     """Draw <run>/curves.png from <run>/metrics.jsonl."""
-    rows = read_rows(Path(run) / "metrics.jsonl")
+    rows = read_metrics(Path(run) / "metrics.jsonl")
     fig = Figure(figsize=(15, 8))
     axes = fig.subplots(2, 3)
     for ax, (title, series) in zip(axes.flat, PANELS):
@@ -150,7 +150,7 @@ def compare(runs: list[Path], out: Path) -> Path:
     fig = Figure(figsize=(11, 4))
     by_step, by_time = fig.subplots(1, 2)
     for run in runs:
-        rows = [r for r in read_rows(Path(run) / "metrics.jsonl") if "heldout_pass1" in r]
+        rows = [r for r in read_metrics(Path(run) / "metrics.jsonl") if "heldout_pass1" in r]
         label = Path(run).name
         by_step.plot(
             [r["step"] for r in rows], [r["heldout_pass1"] for r in rows], "o-", label=label
@@ -206,7 +206,10 @@ def main(argv: list[str]) -> None:
         out, runs = Path(argv[1]), [Path(a) for a in argv[2:]]
         check(
             [
-                (bool(read_rows(r / "metrics.jsonl")), f"{r}: no metrics.jsonl with a readable row")
+                (
+                    bool(read_metrics(r / "metrics.jsonl")),
+                    f"{r}: no metrics.jsonl with a readable row",
+                )
                 for r in runs
             ]  # fmt: skip
             + [(writable(out.parent), f"{out}: cannot be written")]
@@ -219,14 +222,14 @@ def main(argv: list[str]) -> None:
         [
             (run.is_dir(), f"{run}: no such run folder"),
             (
-                bool(read_rows(run / "metrics.jsonl")),
+                bool(read_metrics(run / "metrics.jsonl")),
                 f"{run}: no metrics.jsonl with a readable row",
             ),
             (writable(run), f"{run}: cannot be written (the PNG goes there)"),
         ]
     )
     print(plot(run))
-    print(heldout_table(read_rows(run / "metrics.jsonl")))
+    print(heldout_table(read_metrics(run / "metrics.jsonl")))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ that for RL even rank 1 matches full fine-tuning at about 10x full fine-tuning's
 (README: LoRA measures this in miniature).
 
 What it does:
-- Adapters: the three flags (train.Config holds them as `lora`); flag_checks and model_checks: one
+- Adapters: the three flags (train.Config holds them as `lora`); flag_checks and target_checks: one
   line for a rank below 0, an alpha of 0, a target module the model lacks, an embedding or the LM
   head (not supported), or a layer peft cannot wrap, found on an empty copy of the model built from
   its config on the meta device (no weights load).
@@ -93,7 +93,7 @@ def _peft_config(a: Adapters):
     )
 
 
-def model_checks(a: Adapters, path: str, trust_remote_code: bool = False, name: str = "") -> None:
+def target_checks(a: Adapters, path: str, trust_remote_code: bool = False, name: str = "") -> None:
     """Raises UserError, in one line, when peft cannot put these adapters on the model at `path`
     (named `name` in the message: the flag the user gave, e.g. "--model tiny"): a target module it
     does not have, or a layer type peft cannot wrap. Only the config is read: the model is built

@@ -496,7 +496,7 @@ def finished(run: Run) -> bool:
     """Its metrics.jsonl ends with its last step's row, held-out figures included (rows are read
     into run.rows)."""
 
-    run.rows = logs.read_rows(run.folder / "metrics.jsonl")
+    run.rows = logs.read_metrics(run.folder / "metrics.jsonl")
     return (
         bool(run.rows) and run.rows[-1].get("step") == run.steps and "heldout_pass1" in run.rows[-1]
     )

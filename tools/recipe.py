@@ -25,7 +25,7 @@ from matplotlib.figure import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checks import check, one_line_errors, writable
-from logs import read_rows, save_png
+from logs import read_metrics, save_png
 
 # the recipe's run folders, in order; eval_<name>.summary.json beside them
 STAGE_DIRS = (
@@ -69,7 +69,7 @@ def recipe_report(folder: Path) -> str:
         if name == "base":
             lines.append(f"| 0 | base (`tiny-math`) | - | - | {held} | - | - | - | - |")
             continue
-        rows = [r for r in read_rows(folder / name / "metrics.jsonl") if "reward_mean" in r]
+        rows = [r for r in read_metrics(folder / name / "metrics.jsonl") if "reward_mean" in r]
         cfg = json.loads((folder / name / "config.json").read_text())
         trunc = sum(r["truncated_frac"] for r in rows) / len(rows)
         lines.append(
