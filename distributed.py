@@ -296,27 +296,20 @@ def loss_scale() -> float:
 
 
 def full_weights(
-    model: torch.nn.Module, dtype: torch.dtype | None = None, bucket_bytes: int = 256 * 2**20
+    named: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int = 256 * 2**20,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every parameter, gathered from the FSDP shards in buckets of at
-    most `bucket_bytes` (or one tensor, if a single tensor is larger): the refit never holds more
-    than one bucket of full tensors beside the engine's weights, never a second full copy of the
-    model.
+    """(name, full tensor) for each (name, tensor or sharded DTensor) pair (a model's
+    named_parameters(), LoRA's merged shards: lora.merged), gathered from the FSDP shards in buckets
+    of at most `bucket_bytes` (or one tensor, if a single tensor is larger): the refit never holds
+    more than one bucket of full tensors beside the engine's weights, never a second full copy of
+    the model.
 
     Every rank must consume the iterator completely and in the same order (each gather is a
     collective). `dtype` casts each shard before its gather: the engine's dtype travels, not the
     float32 master weights.
     """
-    return full_tensors(model.named_parameters(), dtype, bucket_bytes)
-
-
-def full_tensors(
-    named: Iterable[tuple[str, torch.Tensor]],
-    dtype: torch.dtype | None = None,
-    bucket_bytes: int = 256 * 2**20,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """full_weights for any (name, tensor or sharded DTensor) pairs, e.g. LoRA's merged shards
-    (lora.merged)."""
     bucket, size = [], 0
     for name, p in named:
         t = p.detach() if dtype is None else p.detach().to(dtype)
@@ -328,14 +321,6 @@ def full_tensors(
         bucket.append((name, t.full_tensor() if isinstance(t, DTensor) else t))
         size += nbytes
     yield from bucket
-
-
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full state dict on CPU, with HF parameter names, on rank 0 ({} on the others, which only
-    take part in the gathers): a collective under FSDP, and never a full copy of the model on every
-    rank."""
-    main = is_main()
-    return {name: t.cpu() for name, t in full_weights(model) if main}
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:

@@ -462,7 +462,7 @@ def evaluate_task(
 ) -> dict:
     """The sum3 demo only: held-out greedy accuracy and pass@1, exactly as GRPO's demo measures
     them, with the policy's current weights loaded into an HF-generate engine."""
-    engine.load_weights(distributed.full_weights(policy.lm))
+    engine.load_weights(model.hf_weights(policy.lm))
     prompts = [tok(p.prompt)["input_ids"] for p in problems]
     return eval_aime.heldout_accuracy(
         engine,

@@ -20,7 +20,7 @@ What it does:
 - adapters_off: the policy with its adapters switched off *is* the frozen base: the KL reference
   (--kl-beta > 0) without a second copy of the model.
 - merged: the HF-named weights of base + adapters, W + (alpha / r) B A per adapted layer, merged on
-  the shards in the trainer's precision, then cast and gathered (distributed.full_tensors): what the
+  the shards in the trainer's precision, then cast and gathered (distributed.full_weights): what the
   engine samples from after each refit and what an HF export holds (the engine gets plain weights:
   no LoRA kernels in vLLM, and either engine works).
 - adapter_state / save_adapter: the adapters alone, as peft's adapter folder (adapter_config.json,
@@ -189,7 +189,7 @@ def merged(
     """(HF name, tensor) of the model base + adapters is, from (peft name, tensor) pairs in
     named_parameters order: each adapted layer's weight becomes W + scale * B @ A, in the tensors'
     own precision (float32: the trainer's), on FSDP's shards where they are sharded. The caller
-    casts and gathers (distributed.full_tensors), so a bf16 engine's refit moves bf16 bytes, as the
+    casts and gathers (distributed.full_weights), so a bf16 engine's refit moves bf16 bytes, as the
     full-weight refit does, and gets the merged weight rounded once. peft lists a layer's base_layer
     parameters, then lora_A, then lora_B: only one layer's W is held back at a time.
 

@@ -400,7 +400,6 @@ def preflight(cfg, world: int) -> None:
 if __name__ == "__main__":
 
     def main(
-        config: str = "",
         model: str = "",
         ranks: int = 8,
         seqs_per_rank: int = 128,
@@ -420,8 +419,8 @@ if __name__ == "__main__":
         """Memory per rank of a GRPO run, estimated from a model's config.json.
 
         Args:
-            config: an HF model folder or a built-in base's name (the same as --model).
-            model: as train.py's --model (default: DeepSeek-R1-Distill-Qwen-1.5B's shape).
+            model: an HF model folder or a built-in base's name, as train.py's --model (default:
+                DeepSeek-R1-Distill-Qwen-1.5B's shape).
             ranks: GPUs (or CPU processes) the run is sharded over.
             seqs_per_rank: sequences a rank generates per step (the KV cache's size).
             chunk_tokens: train.py's --logprob-chunk-tokens.
@@ -439,9 +438,8 @@ if __name__ == "__main__":
             precision: a GPU's bf16 policy (train.py --mixed-precision; fsdp, its default under
                 torchrun).
         """
-        kw = dict(locals())  # every flag but these three is an argument of estimate()
-        path, lengths = kw.pop("model") or kw.pop("config"), kw.pop("lengths")
-        kw.pop("config", None)
+        kw = dict(locals())  # every flag but these two is an argument of estimate()
+        path, lengths = kw.pop("model"), kw.pop("lengths")
         print(table(Shape.from_config(path) if path else Shape(), lengths, **kw))
 
     tyro.cli(main)

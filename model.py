@@ -149,9 +149,10 @@ def hf_weights(lm, dtype: torch.dtype | None = None):
     cast to `dtype` before the gather. LoRA (a peft model): W + (alpha / r) B @ A for each adapted
     layer, merged on the shards in the trainer's precision (lora.merged), then cast to `dtype` and
     gathered like the full-weight path's tensors."""
-    if not lora.is_lora(lm):
-        return distributed.full_weights(lm, dtype)
-    return distributed.full_tensors(lora.merged(lm.named_parameters(), lora.scale_of(lm)), dtype)
+    named = lm.named_parameters()
+    if lora.is_lora(lm):
+        named = lora.merged(named, lora.scale_of(lm))
+    return distributed.full_weights(named, dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -429,7 +429,9 @@ class Run:
     def eval_due(self, step: int) -> bool:
         """Held-out evaluation at step 0, every --eval-every steps and at the last (never with
         0)."""
-        every = self.run.eval_every
+        return self._due(self.run.eval_every, step)
+
+    def _due(self, every: int, step: int) -> bool:
         return bool(every) and (step % every == 0 or step == self.run.steps)
 
     def log(self, step: int, row: dict) -> None:
@@ -469,8 +471,7 @@ class Run:
 
     def checkpoint_due(self, step: int) -> bool:
         """Every --checkpoint-every steps and at the last (never with 0)."""
-        every = self.run.checkpoint_every
-        return bool(every) and (step % every == 0 or step == self.run.steps)
+        return self._due(self.run.checkpoint_every, step)
 
     def save(self, step: int, policy, opt, sched, stream) -> None:
         """A checkpoint of this step (checkpoint.py), keeping the newest --keep-checkpoints; the

@@ -90,7 +90,7 @@ def vllm_engine(_vllm, tiny_path):
     import distributed
     import model
 
-    _vllm.load_weights(distributed.full_weights(model.load_model(tiny_path)))
+    _vllm.load_weights(distributed.full_weights(model.load_model(tiny_path).named_parameters()))
     return _vllm
 
 

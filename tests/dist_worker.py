@@ -58,7 +58,7 @@ import runtime  # noqa: E402
 from demo import tasks  # noqa: E402
 import train  # noqa: E402
 from runtime import config  # noqa: E402
-from test_rollout import perturbed  # noqa: E402
+from test_rollout import full_state_dict, perturbed  # noqa: E402
 import batch
 
 
@@ -180,7 +180,7 @@ def update(
                     # p.shape: the full shape
                     full = torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05
                     (p.to_local() if isinstance(p, DTensor) else p).copy_(distribute_like(p, full))
-        start = distributed.full_state_dict(policy.lm)  # a collective; {} but on rank 0
+        start = full_state_dict(policy.lm)  # a collective; {} but on rank 0
         if distributed.is_main():
             torch.save({k: v.clone() for k, v in start.items() if ".lora_" in k}, f"{out}.start")
     ref = (
@@ -200,7 +200,7 @@ def update(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     b = train.old_logprobs(policy, ref, b, cfg, cpu)  # step 5
     upd = train.update_policy(policy, opt, sched, b, cfg, cpu, share.start)  # step 6
-    state = distributed.full_state_dict(policy.lm)
+    state = full_state_dict(policy.lm)
     if distributed.is_main():
         torch.save({k: v.clone() for k, v in state.items()}, out)
     # the refit's merged weights, merged on the shards and cast before the gather (a collective)
@@ -303,7 +303,7 @@ def refit(out: Path, tp: int):
     lm = perturbed(path, seed=0)
     policy = distributed.shard(model.LogprobModel(lm), lm, checkpointing=False)
     t = time.time()
-    engine.load_weights(distributed.full_weights(lm))
+    engine.load_weights(distributed.full_weights(lm.named_parameters()))
     refit_s = time.time() - t
     _, heldout = tasks.sum3_split()
     group = rank // tp  # the ranks of one tensor-parallel engine send it identical requests
@@ -354,7 +354,7 @@ def policy(out: Path):
     with torch.no_grad(), runtime.autocast(cfg.run, device):
         pol(ids, torch.ones_like(ids), torch.tensor([6]), 2)
     params = {n: (isinstance(p, DTensor), str(p.dtype)) for n, p in pol.named_parameters()}
-    state = distributed.full_state_dict(pol.lm)
+    state = full_state_dict(pol.lm)
     checkpoint.save_hf(pol.lm, tok, out / "export")
     Path(f"{out}.rank{rank}").write_text(
         json.dumps(

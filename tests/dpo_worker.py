@@ -17,6 +17,7 @@ import dpo  # noqa: E402
 import model  # noqa: E402
 from demo import tasks  # noqa: E402
 from runtime import config  # noqa: E402
+from test_rollout import full_state_dict  # noqa: E402
 
 # name: (micro_batch_tokens, optimizer steps, lr, loss, label smoothing, optimizer)
 CONFIGS = {
@@ -82,7 +83,7 @@ def updates(out_prefix: str) -> None:
             batch = pairs[step * 8 :] + pairs[: step * 8]  # a different global order each step
             mine = batch[rank * len(batch) // world : (rank + 1) * len(batch) // world]
             dpo.update(policy, ref, opt, sched, mine, len(batch), cfg, cpu, tok.pad_token_id)
-        state = distributed.full_state_dict(policy.lm)
+        state = full_state_dict(policy.lm)
         if distributed.is_main():
             torch.save({k: v.clone() for k, v in state.items()}, f"{out_prefix}.{name}.pt")
     distributed.close()

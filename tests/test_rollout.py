@@ -41,6 +41,13 @@ def perturbed(tiny_path, seed, scale=0.05):
     return m
 
 
+def full_state_dict(lm):
+    """The model's full state dict on CPU on rank 0 ({} on the others, which take part in the
+    gathers: a collective under FSDP)."""
+    main = distributed.is_main()
+    return {name: t.cpu() for name, t in distributed.full_weights(lm.named_parameters()) if main}
+
+
 def test_samples_have_the_requested_shape(vllm_engine, tok):
     prompts = prompts_of(tok, 8)
     samples = vllm_engine.generate(prompts, n=3, max_tokens=2, seed=0)
@@ -60,11 +67,11 @@ def test_vllm_logprobs_match_trainer_before_and_after_refit(vllm_engine, tiny_pa
     new = perturbed(tiny_path, seed=0)
     # without a refit the engine is stale: this is what the test must catch
     assert mean_abs_diff(new, vllm_engine, prompts, seed=2) > 1e-2
-    vllm_engine.load_weights(distributed.full_weights(new))
+    vllm_engine.load_weights(distributed.full_weights(new.named_parameters()))
     assert mean_abs_diff(new, vllm_engine, prompts, seed=3) < 1e-3
     # a second refit (the next step) must not keep anything from the first one
     newer = perturbed(tiny_path, seed=1)
-    vllm_engine.load_weights(distributed.full_weights(newer))
+    vllm_engine.load_weights(distributed.full_weights(newer.named_parameters()))
     assert mean_abs_diff(newer, vllm_engine, prompts, seed=4) < 1e-3
 
 
@@ -91,7 +98,7 @@ def test_a_refit_drops_the_prompt_kv_cached_with_the_old_weights(vllm_engine, ti
     base = model.load_model(tiny_path)
     assert mean_abs_diff(base, vllm_engine, prompts, seed=1) < 1e-3  # their blocks are cached now
     new = perturbed(tiny_path, seed=0)
-    vllm_engine.load_weights(distributed.full_weights(new))
+    vllm_engine.load_weights(distributed.full_weights(new.named_parameters()))
     assert mean_abs_diff(new, vllm_engine, prompts, seed=2) < 1e-3
 
 
@@ -99,7 +106,7 @@ def test_hf_engine_logprobs_match_trainer_after_refit(tiny_path, tok):
     engine = rollout.HFEngine(tiny_path)
     prompts = prompts_of(tok, 32)
     new = perturbed(tiny_path, seed=2)
-    engine.load_weights(distributed.full_weights(new))
+    engine.load_weights(distributed.full_weights(new.named_parameters()))
     assert mean_abs_diff(new, engine, prompts, seed=0) < 1e-4
 
 
@@ -150,7 +157,7 @@ def test_full_weights_streams_every_tensor_once_in_bounded_buckets(tiny_path):
     m = model.load_model(tiny_path)
     want = dict(m.named_parameters())
     for bucket_bytes in (1, 300_000, 10**9):
-        got = list(distributed.full_weights(m, bucket_bytes=bucket_bytes))
+        got = list(distributed.full_weights(m.named_parameters(), bucket_bytes=bucket_bytes))
         assert [n for n, _ in got] == list(want)
         assert all(torch.equal(t, want[n]) for n, t in got)
 
