@@ -129,6 +129,13 @@ def grpo_flags(cfg, world: int) -> None:
                 "(vLLM engine only)",
             ),
             (
+                0 <= cfg.overlong_buffer_length <= cfg.max_new_tokens
+                and cfg.overlong_buffer_penalty >= 0,
+                f"--overlong-buffer-length {cfg.overlong_buffer_length} --overlong-buffer-penalty "
+                f"{cfg.overlong_buffer_penalty}: the buffer must be in [0, --max-new-tokens "
+                f"{cfg.max_new_tokens}] and the penalty 0 or more",
+            ),
+            (
                 cfg.temperature > 0,
                 f"--temperature {cfg.temperature}: must be positive for GRPO sampling",
             ),

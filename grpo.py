@@ -10,6 +10,9 @@ its help: train.py's flags are those fields (`--eps-high 0.28`, `--pg gspo --no-
 config_error's one-line messages, which name each option as its flag, are what train.py prints for a
 combination that is not a loss.
 
+Pass@k (LossConfig.adv_estimator grpo_passk, passk_advantages) trains on each group's best sample
+only: A = (r_max - r_2nd) / (std + eps) for it, 0 for the rest (verl's grpo_passk).
+
 What it does not do: decide which tokens are valid (train.py builds the mask, including overlong
 filtering), or know global quantities on its own (train.py passes `num_tokens`, already summed over
 micro-batches and ranks, so the gradient does not depend on how the batch was split, and the batch
@@ -66,6 +69,7 @@ import torch
 # the choices of the options that are one of a few names (LossConfig's fields use them; so do their
 # flags)
 AdvScale = Literal["group", "batch", "none"]
+AdvEstimator = Literal["grpo", "grpo_passk"]
 PolicyLoss = Literal["ppo", "gspo", "cispo", "reinforce"]
 KLKind = Literal["k1", "k2", "k3"]
 ISCorrection = Literal["none", "tis", "icepop", "seq-mask-tis", "seq-mask"]
@@ -78,6 +82,9 @@ class LossConfig:
     GRPO: group baseline, symmetric clip, no KL); DeepScaleR's values are train.py's --stage
     presets."""
 
+    # grpo: each sample against its group's baseline (group_advantages); grpo_passk: only each
+    # group's best sample, by its margin over the second best (verl's pass@k, passk_advantages)
+    adv_estimator: AdvEstimator = "grpo"
     # leave-one-out baseline and std (RLOO, as NeMo-RL) instead of the group's
     leave_one_out: bool = False
     # divide advantages by the group std, the batch std (TRL's scale_rewards="batch"), or not at all
@@ -127,6 +134,11 @@ def config_error(cfg: LossConfig) -> str:
         value, choices = getattr(cfg, f.name), get_args(f.type)
         if choices and value not in choices:
             return f"{flag(f.name, value)}: unknown (use {', '.join(choices)})"
+    if cfg.adv_estimator == "grpo_passk" and (cfg.leave_one_out or cfg.adv_scale == "batch"):
+        return (
+            "--adv-estimator grpo_passk: has no leave-one-out baseline and scales by the group "
+            "std or not at all (--adv-scale group or none)"
+        )
     if cfg.dual_clip and cfg.dual_clip <= 1:
         return f"{flag('dual_clip', cfg.dual_clip)}: must be 0 (off) or > 1"
     if cfg.pg == "gspo" and cfg.token_level:
@@ -243,6 +255,28 @@ def group_advantages(
         s = float(rewards.float().flatten().std()) if batch_std is None else float(batch_std)
         adv = adv / (s + eps) if s > 0 else adv
     return adv
+
+
+def passk_advantages(
+    rewards: torch.Tensor, scale: str = "group", eps: float = 1e-6
+) -> torch.Tensor:
+    """Pass@k advantages [P, G] from rewards [P, G], as verl's compute_grpo_passk_outcome_advantage
+    (adv_estimator=grpo_passk, after arXiv:2503.19595): a group is worth its best sample, so only
+    that sample learns, by its margin over the second best:
+
+      A_i = (r_max - r_2nd) / (s + eps) for i = the best sample, 0 for the others,
+      s = the group's sample std with scale="group" (verl's norm_adv_by_std_in_grpo), 1 with "none"
+
+    A group with two or more best samples (ties: every solved sample of a 0/1 reward once two are
+    solved) has A = 0 everywhere: the signal is in groups with one success. Ties for the best go to
+    the first (torch.topk), where the margin is 0 anyway.
+    Example: [[1, 0, 0, 0], [1, 1, 0, 0]], scale none -> [[1, 0, 0, 0], [0, 0, 0, 0]]."""
+    r = rewards.double()  # [P, G]
+    top = r.topk(2, dim=-1)  # values and indices [P, 2]
+    margin = top.values[:, 0] - top.values[:, 1]  # [P]
+    if scale == "group":
+        margin = margin / (r.std(-1) + eps)
+    return torch.zeros_like(r).scatter(1, top.indices[:, :1], margin[:, None]).float()
 
 
 def kl_estimate(

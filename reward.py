@@ -15,6 +15,9 @@ What it does:
   and GRPO has no signal. The number is the last one written, so "134 - 50 = 84" answers 84, not
   134: no guess at which number was meant.
 
+- overlong_penalty: DAPO's soft overlong punishment, added to a response's reward by train.py
+  (--overlong-buffer-length): a shaping term of the response's length, not a verdict on its answer.
+
 What it does not do: format rewards, partial credit, or any evaluation of model output as code.
 math-verify has two parsers: LaTeX (an ANTLR grammar that builds sympy objects) and "expr", which
 calls sympy's parse_expr, an eval() in disguise. Model output only ever goes through the LaTeX one.
@@ -47,6 +50,21 @@ def exact_reward(response: str, gold: str) -> float:
         return 1.0 if response.strip() == gold.strip() else 0.0
     except Exception:
         return 0.0
+
+
+def overlong_penalty(length: int, max_len: int, buffer: int, penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward of a response
+    of `length` tokens, L_max = max_len (--max-new-tokens), L_cache = buffer:
+
+      R_length = 0                                          |y| <= L_max - L_cache
+               = penalty * ((L_max - L_cache) - |y|) / L_cache   otherwise
+
+    0 down to -penalty at the limit. DAPO's paper (penalty 1) and TRL's get_soft_overlong_punishment
+    give -1 past L_max; NeMo-RL's reward shaping (overlong_buffer_length / overlong_buffer_penalty,
+    the flags' names) and verl's DAPO reward manager go on linearly. A response here never passes
+    its limit, so the three agree on every length it can have (tests/test_grpo.py).
+    Example: max_len 20, buffer 6, penalty 1: lengths 14, 15, 17, 20 -> 0, -1/6, -1/2, -1."""
+    return -penalty * max(length - (max_len - buffer), 0) / buffer
 
 
 def last_boxed(text: str) -> str | None:

@@ -43,6 +43,7 @@ import lora
 import logs
 import memory
 import model
+import reward
 import rollout
 import runtime
 from batch import Batch
@@ -114,6 +115,11 @@ class Config:
     top_p: float = 1.0  # nucleus sampling; keep 1.0 for training (the trainer does not renormalize)
     # DAPO: mask truncated responses out of the loss (they still count in the baseline)
     overlong_filter: bool = False
+    # DAPO's soft overlong punishment: a response longer than --max-new-tokens minus this many
+    # tokens loses --overlong-buffer-penalty x its excess / this from its reward
+    # (reward.overlong_penalty); 0 = off
+    overlong_buffer_length: int = 0
+    overlong_buffer_penalty: float = 1.0  # what a response of --max-new-tokens tokens loses
     # DAPO: drop groups with all-equal rewards, draw more prompts to refill the batch
     dynamic_sampling: bool = False
     # generation rounds per step before training on what was kept
@@ -212,7 +218,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         engine.sleep()  # on GPU the trainer takes the engine's memory; load_weights wakes it
         runtime.reset_peak_memory(device)  # peak_mem_gib: the trainer's peak, steps 4-6
         # 4. advantages [P, G] from each group's rewards, and the trainer's padded batch
-        adv = advantages(groups.rewards, cfg)
+        adv = advantages(groups.rewards, cfg, groups.samples)
         b = batch.make_batch(
             groups.prompts, groups.samples, adv.flatten(), cfg.overlong_filter, pad
         )
@@ -396,9 +402,18 @@ def budget(cfg: Config, prompt: list[int]) -> int:
 # Step 4: advantages
 
 
-def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
+def advantages(rewards: torch.Tensor, cfg: Config, samples=()) -> torch.Tensor:
     """Step 4: each sample's advantage [P, G] from its group's rewards [P, G] (grpo.py); with
-    --adv-scale batch, scaled by the sample std of every reward of the step over all ranks."""
+    --adv-scale batch, scaled by the sample std of every reward of the step over all ranks. With
+    --overlong-buffer-length each reward first gets DAPO's overlong punishment for its sample's
+    length (samples: [P * G], prompt-major); dynamic sampling judged the rewards before it, as
+    NeMo-RL's does. --adv-estimator grpo_passk: verl's pass@k advantages."""
+    if cfg.overlong_buffer_length:
+        args = cfg.max_new_tokens, cfg.overlong_buffer_length, cfg.overlong_buffer_penalty
+        shaping = [reward.overlong_penalty(len(s.token_ids), *args) for s in samples]
+        rewards = rewards + torch.tensor(shaping).view_as(rewards)
+    if cfg.loss.adv_estimator == "grpo_passk":
+        return grpo.passk_advantages(rewards, cfg.loss.adv_scale)
     std = None
     if cfg.loss.adv_scale == "batch":
         r = rewards.double().flatten()

@@ -51,7 +51,6 @@ import checkpoint  # noqa: E402
 import data  # noqa: E402
 import distributed  # noqa: E402
 import eval_aime  # noqa: E402
-import grpo  # noqa: E402
 import model  # noqa: E402
 import rollout  # noqa: E402
 import runtime  # noqa: E402
@@ -149,7 +148,7 @@ def update(
         for i in [s.prompt_idx]
         if i in share
     ]
-    adv = grpo.group_advantages(rewards[list(share)], cfg.loss.leave_one_out)
+    adv = train.advantages(rewards[list(share)], cfg, my_samples)
     b = batch.make_batch(
         [prompts[i] for i in share],
         my_samples,

@@ -370,6 +370,8 @@ SKIPS = {
     "cispo": (12, 2, 1e-3, "adamw", "cispo", 0, "graded", {}),
     "truncated-is": (12, 2, 1e-3, "adamw", "ppo", 0, "rank1-uniform", {"is_correction": "tis"}),
     "lora": (12, 2, 1e-3, "adamw", "ppo", 2, "rank1-uniform", {}),
+    # pass@k: only each group's single best sample has A != 0
+    "passk": (12, 2, 1e-3, "adamw", "ppo", 0, "graded", {"adv_estimator": "grpo_passk"}),
     # as dynamic sampling leaves a rank whose groups were all uniform: one of them, fewer rows
     "dynamic-sampling": (12, 2, 1e-3, "adamw", "ppo", 0, "rank1-uniform",
                          {"dynamic_sampling": True}),
@@ -420,6 +422,9 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(skips, tiny_path, ca
     if flags.get("leave_one_out"):
         others = (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1)
         nonzero = r != others
+    elif flags.get("adv_estimator") == "grpo_passk":  # the best, when it beats all the others
+        best = r == r.max(1, keepdim=True).values
+        nonzero = best & (best.sum(1, keepdim=True) == 1)
     else:
         nonzero = r != r.mean(1, keepdim=True)
     if flags.get("overlong_filter"):  # a truncated row has no loss token

@@ -9,6 +9,7 @@ import torch
 
 import grpo
 import batch
+import reward
 
 
 def ref_advantages(rewards, leave_one_out, scale, eps):
@@ -281,3 +282,84 @@ def test_overlong_filter_masks_truncated_responses_but_keeps_them_in_the_baselin
     assert b.resp_mask.sum(1).tolist() == [2, 3, 2, 3]
     b = batch.make_batch([[1, 2, 3]], samples, adv, overlong_filter=False, pad_id=0)
     assert b.loss_mask.sum(1).tolist() == [2, 3, 2, 3]
+
+
+def ref_overlong(length, max_len, cache, penalty):
+    """DAPO's eq. 13, times the penalty: 0 up to L_max - L_cache, then linear to -penalty at
+    L_max, and -penalty past it."""
+    if length <= max_len - cache:
+        return 0.0
+    if length <= max_len:
+        return penalty * ((max_len - cache) - length) / cache
+    return -penalty
+
+
+@pytest.mark.parametrize("penalty", [1.0, 0.5])
+def test_overlong_penalty_is_dapo_eq13_on_every_length_a_response_can_have(penalty):
+    for max_len, cache in [(20, 6), (8, 8), (64, 1)]:
+        for n in range(max_len + 1):  # a response never passes its limit
+            got = reward.overlong_penalty(n, max_len, cache, penalty)
+            assert got == pytest.approx(ref_overlong(n, max_len, cache, penalty), abs=1e-12)
+
+
+def test_overlong_penalty_against_trl_and_nemo_rl_and_past_the_limit():
+    lengths = [3, 14, 15, 17, 20]
+    # TRL 1.16.0 trl/rewards/other_rewards.py get_soft_overlong_punishment(max_completion_len=20,
+    # soft_punish_cache=6) on completions of these lengths
+    trl = [0.0, 0.0, -0.16666666666666666, -0.5, -1.0]
+    assert [reward.overlong_penalty(n, 20, 6) for n in lengths] == pytest.approx(trl, abs=1e-12)
+    # NeMo-RL nemo_rl/algorithms/reward_functions.py (last changed in 65be4815) apply_reward_shaping
+    # (overlong_buffer_length=6, overlong_buffer_penalty=0.5, max_response_length=20) on rewards
+    # [1, 0, 1, 1, 0] of responses of these lengths (float32)
+    nemo = [1.0, 0.0, 0.9166666865348816, 0.75, -0.5]
+    ours = [r + reward.overlong_penalty(n, 20, 6, 0.5) for r, n in zip([1, 0, 1, 1, 0], lengths)]
+    assert ours == pytest.approx(nemo, abs=1e-7)
+    # past L_max (never reached here: a response ends at its limit) the anchors part: DAPO's paper
+    # and TRL give -1; NeMo-RL and verl, whose formula this is, go on linearly
+    assert reward.overlong_penalty(26, 20, 6) == -2.0 and ref_overlong(26, 20, 6, 1.0) == -1.0
+
+
+def ref_passk(rewards, scale, eps):
+    """Per group: the best sample's margin over the second best (0 on a tie), over the group's
+    sample std with scale group; 0 for every other sample."""
+    out = []
+    for g in rewards:
+        order = sorted(range(len(g)), key=lambda i: -g[i])
+        best, second = g[order[0]], g[order[1]]
+        mean = sum(g) / len(g)
+        std = math.sqrt(sum((x - mean) ** 2 for x in g) / (len(g) - 1))
+        a = (best - second) / (std + eps) if scale == "group" else best - second
+        out.append([a if i == order[0] and a != 0 else 0.0 for i in range(len(g))])
+    return out
+
+
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_passk_advantages_match_float64(scale):
+    rng = random.Random(1)
+    rewards = [[float(rng.random() < 0.3) for _ in range(8)] for _ in range(40)]
+    rewards += [[rng.random() for _ in range(8)] for _ in range(10)]  # no ties
+    rewards += [[1.0] + [0.0] * 7, [1.0, 1.0] + [0.0] * 6, [0.0] * 8]  # one best, a tie, nothing
+    got = grpo.passk_advantages(torch.tensor(rewards), scale)
+    want = torch.tensor(ref_passk(rewards, scale, 1e-6), dtype=torch.float64)
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-6)
+    assert (got != 0).sum(1).le(1).all()  # at most one sample of a group learns
+
+
+def test_passk_advantages_against_verl():
+    # verl verl/trainer/ppo/core_algos.py (last changed in 5689fd79)
+    # compute_grpo_passk_outcome_advantage on these rewards (one group per row, float32), with
+    # norm_adv_by_std_in_grpo True and False; its per-token advantages, each response's first token
+    r = torch.tensor([[1.0, 0, 0, 0], [1, 1, 0, 0], [0.2, 0.9, 0.5, 0.1], [0, 0, 0, 0]])
+    verl = {
+        "group": [[1.9999959, 0, 0, 0], [0, 0, 0, 0], [0, 1.1129702, 0, 0], [0, 0, 0, 0]],
+        "none": [[1.0, 0, 0, 0], [0, 0, 0, 0], [0, 0.4, 0, 0], [0, 0, 0, 0]],
+    }
+    for scale, want in verl.items():
+        got = grpo.passk_advantages(r, scale)
+        torch.testing.assert_close(got, torch.tensor(want), atol=1e-6, rtol=1e-6)
+
+
+def test_passk_refuses_what_it_does_not_define():
+    for flags in (dict(leave_one_out=True), dict(adv_scale="batch")):
+        err = grpo.config_error(grpo.LossConfig(adv_estimator="grpo_passk", **flags))
+        assert err.startswith("--adv-estimator grpo_passk") and "\n" not in err

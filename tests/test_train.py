@@ -237,6 +237,32 @@ def test_shared_prompt_micro_batches_hold_whole_packs_within_budget(tok):
             assert len(mbs) == 1 and len(mbs[0].packs) == 4
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "grpo_passk"])
+def test_overlong_punishment_gives_a_signal_where_the_reward_has_none(tmp_path, estimator):
+    # a reward that is always 0, and DAPO's punishment over the whole budget (8 tokens): a group's
+    # responses of different lengths now differ in reward, so its samples train; with pass@k only
+    # the shortest of each group (when no other is as short)
+    (tmp_path / "zero.py").write_text("def reward(response, gold):\n    return 0.0\n")
+    cfg = config(
+        train.Config,
+        engine="hf",
+        steps=1,
+        eval_every=0,
+        prompts_per_step=8,
+        group_size=4,
+        reward=f"{tmp_path / 'zero.py'}:reward",
+        overlong_buffer_length=8,
+        adv_estimator=estimator,
+        out_dir=str(tmp_path / "run"),
+        quiet=True,
+        save_final=False,
+        plot=False,
+    )
+    row = train.train(cfg)["history"][1]
+    assert row["reward_mean"] == 0.0 and row["zero_var_group_frac"] == 1.0  # raw rewards: uniform
+    assert 0 < row["trained_frac"] <= (1.0 if estimator == "grpo" else 1 / 4)
+
+
 def test_bad_flags_fail_with_one_line_before_any_model_loads(monkeypatch, tmp_path):
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the config was validated")
@@ -251,6 +277,8 @@ def test_bad_flags_fail_with_one_line_before_any_model_loads(monkeypatch, tmp_pa
         (dict(minibatch_size=10_000), "--minibatch-size 10000"),
         (dict(model=str(tmp_path / "nope")), "--model"),
         (dict(answer="last-number"), "--answer last-number: chooses how the math task's reward"),
+        (dict(overlong_buffer_length=9), "--overlong-buffer-length 9"),
+        (dict(adv_estimator="grpo_passk", leave_one_out=True), "--adv-estimator grpo_passk"),
     ]:
         with pytest.raises(UserError) as e:
             train.train(config(train.Config, out_dir=str(tmp_path), **flags))
