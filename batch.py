@@ -42,6 +42,8 @@ class Batch:
     # [N, T] the trainer's, before the update (None: the update's own forward)
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None  # [N, T] the frozen start model's (--kl-beta > 0)
+    # [N, T] 1 on the tokens the policy-gradient term trains (--top-entropy-quantile < 1)
+    top: torch.Tensor | None = None
     # rows (by place) that share a prompt, each pack one row of the forward (plan)
     packs: list[list[int]] | None = None
 
@@ -140,11 +142,11 @@ def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]
     return ids, am
 
 
-def trained_rows(b: Batch, rows: list[int], skip: bool, kl: bool) -> list[int]:
+def trained_rows(b: Batch, rows: list[int], skip: bool, dense: bool) -> list[int]:
     """The rows of `rows` whose forward and backward run: all, or with `skip`
     (--skip-zero-advantage) those whose loss term can be non-zero: the advantage is not exactly 0
-    (or `kl`: the KL term, which does not vanish with it, is on) and some token counts in the loss
-    (--overlong-filter masks out a truncated row).
+    (or `dense`: a term that does not vanish with it is on, the KL term or the entropy bonus) and
+    some token counts in the loss (--overlong-filter masks out a truncated row).
 
     Every term of the policy loss (PPO's clipped ratio, GSPO, CISPO, REINFORCE, dual clip, the
     importance weights, which are finite) is A times something finite, and every term is multiplied
@@ -155,7 +157,7 @@ def trained_rows(b: Batch, rows: list[int], skip: bool, kl: bool) -> list[int]:
     Example: groups [1, 1, 1, 1] and [1, 0, 0, 1]: only the second group's 4 rows run."""
     if not skip:
         return list(rows)
-    return [r for r in rows if b.loss_mask[r].any() and (kl or b.advantages[r] != 0)]
+    return [r for r in rows if b.loss_mask[r].any() and (dense or b.advantages[r] != 0)]
 
 
 def minibatches(n_rows: int, n: int, group_size: int, first_group: int) -> list[list[int]]:
@@ -169,7 +171,12 @@ def minibatches(n_rows: int, n: int, group_size: int, first_group: int) -> list[
 
 
 def plan(
-    b: Batch, rows: list[int], token_budget: int, pack: bool, skip: bool = False, kl: bool = False
+    b: Batch,
+    rows: list[int],
+    token_budget: int,
+    pack: bool,
+    skip: bool = False,
+    dense: bool = False,
 ) -> list[Batch]:
     """The micro-batches a pass over `rows` of b runs (trained_rows: with `skip`, those whose loss
     term can be non-zero), each trimmed to its own rows, whose tokens stay within the budget
@@ -177,7 +184,7 @@ def plan(
     b.stand_in() in place of each it lacks. A collective. `pack`: rows that share a prompt go in
     packs of at most the budget's tokens (fastpaths.prompt_packs), each a row of the forward
     counted as its prompt plus its responses; a micro-batch holds whole packs (Batch.packs)."""
-    rows = trained_rows(b, rows, skip, kl)
+    rows = trained_rows(b, rows, skip, dense)
     units, cost = [[r] for r in rows], [b.lengths[r] for r in rows]
     if pack:
         prompts = [tuple(b.input_ids[r, : b.resp_start[r]].tolist()) for r in rows]

@@ -125,18 +125,18 @@ def bf16_head(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class HeadLogprob(torch.autograd.Function):
-    """log pi(y_t) [n] of the target tokens, and the entropy of pi [n] (a metric: no gradient), from
-    the final hidden states [n, H] through the LM head (weight [V, H], bias [V] or None, and what
-    the model's forward does to its logits: final_logits) at a temperature: with
-    s = logits / temperature,
+    """log pi(y_t) [n] of the target tokens, and the entropy of pi [n], from the final hidden states
+    [n, H] through the LM head (weight [V, H], bias [V] or None, and what the model's forward does
+    to its logits: final_logits) at a temperature: with s = logits / temperature,
 
         log pi(y_t) = s[y_t] - log sum_v exp(s_v)      H = -sum_v pi_v log pi_v
 
-    Its backward is written out, d log pi(y_t) / d s = onehot(y_t) - pi, each [n, V] pass done once
-    and in place: a few passes over the logits where autograd through logsumexp, gather and the
-    division would run about three times as many, and allocate as many [n, V] tensors. What lives
-    from forward to backward is chosen by `keep`: the unnormalized probabilities exp(s - max) [n, V]
-    (keep: backward is one pass over them), or only hidden, the weight and log Z, the logits
+    Its backward is written out, d log pi(y_t) / d s = onehot(y_t) - pi (and where a loss uses the
+    entropy, --entropy-coeff: dH / d s = -pi (log pi + H), one more [n, V] tensor), each [n, V] pass
+    done once and in place: a few passes over the logits where autograd through logsumexp, gather
+    and the division would run about three times as many, and allocate as many [n, V] tensors. What
+    lives from forward to backward is chosen by `keep`: the unnormalized probabilities exp(s - max)
+    [n, V] (keep: backward is one pass over them), or only hidden, the weight and log Z, the logits
     recomputed in backward (one more matmul), so that a micro-batch of many chunks never holds more
     than one chunk's [n, V] at once. A frozen head (LoRA) gets no weight gradient computed. Backward
     then runs the chain rule through final_logits: tanh's 1 - tanh^2 (soft-capping: always the
@@ -174,27 +174,40 @@ class HeadLogprob(torch.autograd.Function):
         entropy = log_z - es / z if with_entropy else torch.zeros_like(logp)
         # keep: pi = p / z; else log Z of s, pi = exp(s - log Z)
         kept = (p, z) if keep else (m.squeeze(-1) + log_z, None)
-        ctx.save_for_backward(hidden, weight, bias, targets, *kept)
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy, *kept)
         ctx.temperature, ctx.bf16, ctx.keep = temperature, bf16, keep
         ctx.scale, ctx.softcap = scale, softcap
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an entropy no loss uses (a metric) gets no backward pass
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _):
+    def backward(ctx, grad_logp, grad_entropy):
         T = ctx.temperature
         # d logits = grad_logp (onehot(y_t) - pi) / T, as s = logits / T
+        hidden, weight, bias, targets, entropy, a, b = ctx.saved_tensors
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(entropy)
         scale = grad_logp[:, None] / T  # [n, 1]
-        hidden, weight, bias, targets, a, b = ctx.saved_tensors
         cap = ctx.softcap
+
+        def entropy_term(pi):  # d logits of grad_entropy H: -grad_entropy pi (log pi + H) / T
+            pi_log_pi = torch.xlogy(pi, pi)  # 0 where pi underflowed to 0
+            return (pi_log_pi + pi * entropy[:, None]) * (-grad_entropy[:, None] / T)
+
+        on = grad_entropy is not None
         if ctx.keep:  # a: exp(s - max) [n, V], b: its row sums z [n]
+            d_entropy = entropy_term(a / b[:, None]) if on else None
             g = a.mul_((-scale / b[:, None]).to(a.dtype))  # in place: backward runs once
         else:  # a: log Z [n] of s
             g = final_logits(hidden, weight, bias, ctx.bf16, ctx.scale, cap, T)  # [n, V]
             # soft-capping: d (cap tanh(x / cap)) / dx = 1 - tanh^2, tanh = s T / cap
             tanh2 = (g * (T / cap)).square_() if cap else None
-            g.sub_(a[:, None]).exp_().mul_((-scale).to(g.dtype))  # in place from here on
+            g.sub_(a[:, None]).exp_()  # pi, in place from here on
+            d_entropy = entropy_term(g) if on else None
+            g.mul_((-scale).to(g.dtype))
         g.scatter_add_(-1, targets[:, None], scale.to(g.dtype))
+        if d_entropy is not None:
+            g.add_(d_entropy.to(g.dtype))
         if cap:
             g.mul_(1 - tanh2)
         if ctx.scale != 1.0:
@@ -205,7 +218,7 @@ class HeadLogprob(torch.autograd.Function):
 
 
 def head_logprobs(lm, h, targets, temperature: float, chunk_tokens: int, with_entropy: bool):
-    """log pi(y_t) [N] and the policy's entropy [N] (no gradient) at N response positions, from
+    """log pi(y_t) [N] and the policy's entropy [N] at N response positions, from
     their final hidden states h [N, H] and target tokens [N], through `lm`'s LM head in chunks of
     `chunk_tokens` positions (HeadLogprob). One chunk keeps its probabilities for backward (one
     matmul less); several recompute each chunk's logits there, so that a micro-batch never holds

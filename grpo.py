@@ -30,9 +30,15 @@ The default loss is NeMo-RL's ClippedPGLoss, which the DeepScaleR recipe used:
                u_t = exp(logp_t - sg(logp_t)) = 1 in value: the tokens were sampled from the policy
                itself, so the KL's gradient carries the score-function term kl_t * grad logp_t too
                (NeMo-RL PR #2506, citing arXiv:2506.09477); u_t is a constant where x was clamped
-    loss_t   = w_t * pg_t + beta * kl_t
+    loss_t   = m_t * (w_t * pg_t - c_H * H_t) + beta * kl_t
     w_t      = 1, or the importance weight exp(old_logp_t - gen_logp_t) between the trainer and
                the engine that sampled (see below)
+    H_t      = -sum_v pi(v) log pi(v), the policy's entropy at the token, c_H = entropy_coeff: an
+               entropy bonus against entropy collapse, 0 by default    (A3C, Mnih et al. 2016;
+               verl's entropy_coeff)
+    m_t      = 1, or with top_entropy_quantile q < 1: 1 where the old policy's H_t is at least
+               the (1 - q) quantile of the minibatch's, else 0: only the high-entropy "forking"
+               tokens train                           (Wang et al. 2025, "Beyond the 80/20 rule")
 
 and aggregation is "token level" (sum over every valid token of the global batch / number of those
 tokens, DAPO) or "sequence level" (mean over each response's tokens, then mean over responses: the
@@ -108,6 +114,12 @@ class LossConfig:
     # |ref_logp - logp| bound inside the KL estimator (NeMo-RL kl_input_clamp_value)
     kl_input_clamp: float = 20.0
     kl_output_clamp: float = 10.0  # |kl_t| bound (NeMo-RL kl_output_clamp_value)
+    # entropy bonus: the loss subtracts this times the policy's entropy at each loss token (verl's
+    # entropy_coeff); every sample with loss tokens then runs, whatever its advantage
+    entropy_coeff: float = 0.0
+    # train on the tokens whose entropy under the old policy is in the top q of the minibatch's
+    # (TRL's top_entropy_quantile; 0.2: Wang et al. 2025's 20% forking tokens); 1 = every token
+    top_entropy_quantile: float = 1.0
     # engine/trainer mismatch correction: truncate (tis) or mask (icepop) token weights, or drop
     # whole responses (seq-mask-tis, seq-mask)
     is_correction: ISCorrection = "none"
@@ -139,6 +151,8 @@ def config_error(cfg: LossConfig) -> str:
             "--adv-estimator grpo_passk: has no leave-one-out baseline and scales by the group "
             "std or not at all (--adv-scale group or none)"
         )
+    if not 0 < cfg.top_entropy_quantile <= 1:
+        return f"--top-entropy-quantile {cfg.top_entropy_quantile}: must be in (0, 1]"
     if cfg.dual_clip and cfg.dual_clip <= 1:
         return f"{flag('dual_clip', cfg.dual_clip)}: must be 0 (off) or > 1"
     if cfg.pg == "gspo" and cfg.token_level:
@@ -364,6 +378,8 @@ def policy_loss(
     num_tokens: float,
     ref_logp: torch.Tensor | None = None,  # [B, T] reference-model logprobs when cfg.kl_beta > 0
     gen_logp: torch.Tensor | None = None,  # [B, T] the engine's logprobs, needed for is_correction
+    entropy: torch.Tensor | None = None,  # [B, T] the policy's entropy, with grad: entropy_coeff
+    top: torch.Tensor | None = None,  # [B, T] 1 on the high-entropy tokens: top_entropy_quantile
 ) -> tuple[torch.Tensor, LossMetrics]:
     """This micro-batch's share of the loss of the global batch, and its diagnostics (LossMetrics:
     sums).
@@ -402,6 +418,12 @@ def policy_loss(
                 old_logp.to(logp.dtype), gen_logp.to(logp.dtype), mask, cfg
             )
     per_token = weight * pg
+    if cfg.entropy_coeff:
+        if entropy is None:
+            raise ValueError("entropy_coeff needs the policy's entropy (entropy)")
+        per_token = per_token - cfg.entropy_coeff * entropy
+    if top is not None:  # the bonus acts on the trained tokens, as TRL's; the KL on every one
+        per_token = per_token * top
 
     kl = torch.zeros_like(logp)
     if cfg.kl_beta > 0:

@@ -138,6 +138,7 @@ def estimate(
     process_gib: float = 0.45,
     lora_rank: int = 0,
     reference: bool | None = None,
+    entropy_bonus: bool = False,
     seq_len: int = 0,
     precision: Literal["autocast", "fsdp"] = "fsdp",
     attention_tokens: int = 0,
@@ -151,7 +152,8 @@ def estimate(
     compute is float32 and this changes nothing. attention_tokens: the tokens attention keeps its
     tensors for (0: `tokens`); with shared prompts (train.py --share-prompt) each row's prompt and
     response, fastpaths.packed_attention's per-row copies, more than the packed tokens the budget
-    counts."""
+    counts. entropy_bonus: the LM head's backward also takes the entropy's gradient (train.py
+    --entropy-coeff)."""
     layer, rest = s.params()
     P = layer * s.layers + rest
     # what trains: gradients and AdamW moments exist for these
@@ -210,7 +212,8 @@ def estimate(
         "autocast's bf16 weight copies, kept for backward": copies / GiB,
         # the hidden states and the gathered rows
         "LM head: final hidden states (fp32)": 2 * 4 * H * tokens / GiB,
-        "LM head: one chunk's logits, softmax and their gradients": 4
+        # the entropy bonus's gradient holds up to three more (fastpaths.HeadLogprob)
+        "LM head: one chunk's logits, softmax and their gradients": (4 + 3 * entropy_bonus)
         * 4
         * min(chunk_tokens, tokens)
         * s.vocab
@@ -348,6 +351,7 @@ def need_gib(cfg, s: Shape, world: int, checkpointing: bool, micro_batch_tokens:
         kv_cache_gib=kv_gib,
         lora_rank=cfg.lora.lora_rank,
         reference=cfg.loss.kl_beta > 0,
+        entropy_bonus=cfg.loss.entropy_coeff != 0,
         seq_len=L,
         attention_tokens=attention,
     )

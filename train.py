@@ -27,6 +27,7 @@ rollout.py; LoRA in lora.py; the bookkeeping around the loop (flags every run ha
 evaluation cadence, checkpoints, Ctrl-C) in runtime.py, which dpo.py's loop shares.
 """
 
+import math
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -223,7 +224,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
             groups.prompts, groups.samples, adv.flatten(), cfg.overlong_filter, pad
         )
         with runtime.timed(times, "logprobs"):  # 5. old (and reference) logprobs
-            b = old_logprobs(policy, ref, b, cfg, device)
+            b = old_logprobs(policy, ref, b, cfg, device, groups.first_group)
         with runtime.timed(times, "update"):  # 6. loss -> backward -> clip -> AdamW, per minibatch
             upd = update_policy(policy, opt, sched, b, cfg, device, groups.first_group)
         peak_gib = runtime.peak_memory_gib(device, engine.device_bytes)
@@ -252,13 +253,13 @@ def load_policy_and_ref(cfg: Config, path: str, device):
     policy = model.load_trainable(
         path, device, ckpt, remote, adapters=cfg.lora, bf16_params=bf16_params
     )
+    if cfg.skip_zero_advantage and dense(cfg):  # batch.trained_rows
+        distributed.print0(
+            "--kl-beta / --entropy-coeff: every sample with loss tokens runs forward and backward "
+            "in the update (the KL term and the entropy bonus do not vanish with the advantage)"
+        )
     if cfg.loss.kl_beta == 0:
         return policy, None
-    if cfg.skip_zero_advantage:  # batch.trained_rows
-        distributed.print0(
-            f"--kl-beta {cfg.loss.kl_beta}: every sample with loss tokens runs forward and "
-            "backward in the update (the KL term does not vanish with the advantage)"
-        )
     if cfg.lora.on:
         return policy, policy
     ref = model.load_trainable(path, device, False, remote, bf16_params=bf16_params)
@@ -430,23 +431,33 @@ def advantages(rewards: torch.Tensor, cfg: Config, samples=()) -> torch.Tensor:
 # Steps 5-6: the update
 
 
-def logprobs(m, mb: Batch, cfg: Config, device, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi of mb's response tokens at the sampling temperature, [n, T], and with grad the
-    policy's entropy there (else zeros), under the run's precision policy (runtime.autocast)."""
+def logprobs(
+    m, mb: Batch, cfg: Config, device, grad: bool, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi of mb's response tokens at the sampling temperature, [n, T], and with grad or
+    `entropy` the policy's entropy there (else zeros), under the run's precision policy
+    (runtime.autocast)."""
     with torch.set_grad_enabled(grad), runtime.autocast(cfg.run, device):
         return m(
             mb.input_ids, mb.attention_mask, mb.resp_start, mb.T, cfg.temperature,
-            cfg.run.logprob_chunk_tokens, with_entropy=grad, packs=mb.packs,
+            cfg.run.logprob_chunk_tokens, with_entropy=grad or entropy, packs=mb.packs,
         )  # fmt: skip
 
 
 def plan(m, b: Batch, rows: list[int], cfg: Config, skip: bool) -> list[Batch]:
     """The micro-batches of a pass of `m` over `rows` (batch.plan): with `skip` and
     --skip-zero-advantage, only the rows whose loss term can be non-zero (all that have loss tokens
-    while the KL term is on); packed by prompt with --share-prompt where the model allows it."""
+    while a term that does not vanish with the advantage is on: dense); packed by prompt with
+    --share-prompt where the model allows it."""
     pack = cfg.share_prompt and m.packable
-    skip, kl = skip and cfg.skip_zero_advantage, cfg.loss.kl_beta > 0
-    return batch.plan(b, rows, cfg.run.micro_batch_tokens, pack, skip, kl)
+    skip = skip and cfg.skip_zero_advantage
+    return batch.plan(b, rows, cfg.run.micro_batch_tokens, pack, skip, dense(cfg))
+
+
+def dense(cfg: Config) -> bool:
+    """Whether the loss has a term that does not vanish with the advantage: the KL term, the
+    entropy bonus."""
+    return cfg.loss.kl_beta > 0 or cfg.loss.entropy_coeff != 0
 
 
 def n_minibatches(cfg: Config) -> int:
@@ -454,11 +465,13 @@ def n_minibatches(cfg: Config) -> int:
     return cfg.prompts_per_step * cfg.group_size // cfg.minibatch_size if cfg.minibatch_size else 1
 
 
-def old_logprobs(policy, ref, b: Batch, cfg: Config, device) -> Batch:
+def old_logprobs(policy, ref, b: Batch, cfg: Config, device, first_group: int = 0) -> Batch:
     """Step 5: b with the trainer's logprobs of the sampled tokens before the update (old_logp, [N,
     T]) and the frozen start model's (ref_logp, [N, T], for the KL term), each a no-grad pass over
     token-budget micro-batches. With LoRA `ref` is the policy itself with its adapters switched off:
-    the base, which is the start model.
+    the base, which is the start model. With --top-entropy-quantile < 1 the policy's pass also
+    gives the old entropy, and b.top marks each minibatch's high-entropy tokens (high_entropy;
+    first_group: Groups.first_group).
 
     With one minibatch old_logp stays None and costs no pass: the policy has not moved before its
     only update, so the update's own forward, detached, gives the old logprobs (update_policy); the
@@ -466,17 +479,39 @@ def old_logprobs(policy, ref, b: Batch, cfg: Config, device) -> Batch:
     None without a reference model. Rows the update skips get no old logprobs (0).
     """
 
-    def pass_over(m, skip: bool) -> torch.Tensor:  # [N, T], 0 in rows not passed over
-        out = torch.zeros_like(b.gen_logp)
+    def pass_over(m, skip: bool, entropy=False) -> torch.Tensor:  # [2, N, T]: logp, entropy
+        out = b.gen_logp.new_zeros(2, *b.gen_logp.shape)  # 0 in rows not passed over
         for mb in plan(m, b, b.rows, cfg, skip):
-            out[mb.rows, : mb.T] = logprobs(m, mb.to(device), cfg, device, grad=False)[0].cpu()
+            lp, en = logprobs(m, mb.to(device), cfg, device, grad=False, entropy=entropy)
+            out[:, mb.rows, : mb.T] = torch.stack([lp, en]).cpu()
         return out
 
-    old_logp = pass_over(policy, skip=True) if n_minibatches(cfg) > 1 else None
+    n, top = n_minibatches(cfg), cfg.loss.top_entropy_quantile < 1
+    old = pass_over(policy, skip=True, entropy=top) if n > 1 or top else None
+    b = replace(b, old_logp=old[0] if n > 1 else None)
+    if top:
+        b = replace(b, top=high_entropy(b, old[1], cfg, first_group))
     if ref is None:
-        return replace(b, old_logp=old_logp)
+        return b
     with lora.adapters_off(ref.lm):  # a no-op for a frozen copy, which has no adapters
-        return replace(b, old_logp=old_logp, ref_logp=pass_over(ref, skip=False))
+        return replace(b, ref_logp=pass_over(ref, skip=False)[0])
+
+
+def high_entropy(b: Batch, entropy: torch.Tensor, cfg: Config, first_group: int) -> torch.Tensor:
+    """[N, T] 1 on each minibatch's high-entropy tokens (Wang et al. 2025; TRL's
+    top_entropy_quantile): those whose entropy under the old policy (entropy [N, T]) is at least the
+    (1 - q) quantile (torch.quantile, as TRL's get_high_entropy_mask) of the minibatch's loss tokens
+    over every rank. TRL counts every token of a micro-batch; here the tokens whose loss term can be
+    non-zero (A != 0), so that skipping stays exact and the quantile is the same at any world size
+    and micro-batching. A collective."""
+    top = torch.zeros_like(entropy)
+    for rows in batch.minibatches(len(b.rows), n_minibatches(cfg), cfg.group_size, first_group):
+        counted = b.loss_mask[rows].bool() & (b.advantages[rows] != 0)[:, None]  # [n, T]
+        every = torch.cat(distributed.gather_to_main(entropy[rows][counted]) or [torch.zeros(0)])
+        q = 1 - cfg.loss.top_entropy_quantile
+        at = float(torch.quantile(every.double(), q)) if every.numel() else math.inf
+        top[rows] = (entropy[rows] >= distributed.from_main(at)).to(top.dtype)
+    return top
 
 
 @dataclass
@@ -515,8 +550,9 @@ def update_policy(
             logp, entropy = logprobs(policy, mb, cfg, device, grad=True)  # [n, T] each
             old = logp.detach() if mb.old_logp is None else mb.old_logp  # None: one minibatch
             loss, metrics = grpo.policy_loss(
-                logp, old, mb.advantages, mb.loss_mask, cfg.loss, norm, mb.ref_logp, mb.gen_logp
-            )
+                logp, old, mb.advantages, mb.loss_mask, cfg.loss, norm, mb.ref_logp, mb.gen_logp,
+                entropy, mb.top,
+            )  # fmt: skip
             with distributed.gradient_sync(policy, k == len(micro) - 1):  # once per minibatch
                 (loss * distributed.loss_scale()).backward()
             record(upd, mb, metrics, old, entropy)

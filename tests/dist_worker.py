@@ -197,7 +197,7 @@ def update(
     else:
         opt = torch.optim.SGD(trainable, lr=cfg.run.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    b = train.old_logprobs(policy, ref, b, cfg, cpu)  # step 5
+    b = train.old_logprobs(policy, ref, b, cfg, cpu, share.start)  # step 5
     upd = train.update_policy(policy, opt, sched, b, cfg, cpu, share.start)  # step 6
     state = full_state_dict(policy.lm)
     if distributed.is_main():

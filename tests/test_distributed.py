@@ -370,6 +370,12 @@ SKIPS = {
     "cispo": (12, 2, 1e-3, "adamw", "cispo", 0, "graded", {}),
     "truncated-is": (12, 2, 1e-3, "adamw", "ppo", 0, "rank1-uniform", {"is_correction": "tis"}),
     "lora": (12, 2, 1e-3, "adamw", "ppo", 2, "rank1-uniform", {}),
+    # the entropy bonus does not vanish with A: every row runs; the high-entropy tokens' quantile
+    # counts the tokens of A != 0 only, the same with and without skipping
+    "entropy-bonus": (12, 2, 1e-3, "adamw", "ppo", 0, "rank1-uniform", {"entropy_coeff": 0.01}),
+    "top-entropy": (12, 2, 1e-3, "adamw", "ppo", 0, "graded", {"top_entropy_quantile": 0.5}),
+    "entropy-lora-gspo": (12, 2, 1e-3, "adamw", "gspo", 2, "graded",
+                          {"entropy_coeff": 0.01, "top_entropy_quantile": 0.5}),
     # pass@k: only each group's single best sample has A != 0
     "passk": (12, 2, 1e-3, "adamw", "ppo", 0, "graded", {"adv_estimator": "grpo_passk"}),
     # as dynamic sampling leaves a rank whose groups were all uniform: one of them, fewer rows
@@ -419,7 +425,9 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(skips, tiny_path, ca
     # the rows each update computed: with skipping only those whose advantage is not 0, counted from
     # the rewards here (float64, group mean and sample std), not from the code under test
     r = dist_worker.skip_rewards(kind).double()
-    if flags.get("leave_one_out"):
+    if flags.get("entropy_coeff"):  # every row runs
+        nonzero = torch.ones_like(r, dtype=torch.bool)
+    elif flags.get("leave_one_out"):
         others = (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1)
         nonzero = r != others
     elif flags.get("adv_estimator") == "grpo_passk":  # the best, when it beats all the others
@@ -438,7 +446,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(skips, tiny_path, ca
             assert ran[n, "full"]["seqs"] == r.numel(), (n, ran[n, "full"])
         # at one rank, dynamic sampling kept only informative groups: nothing to skip
         assert ran[n, "skip"]["seqs"] < ran[n, "full"]["seqs"] or (
-            n == 1 and flags.get("dynamic_sampling")
+            (n == 1 and flags.get("dynamic_sampling")) or flags.get("entropy_coeff")
         )
         # the skipped rows' loss tokens still count (normalizer, clip fractions)
         assert ran[n, "skip"]["loss_tokens"] == ran[n, "full"]["loss_tokens"]

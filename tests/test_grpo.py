@@ -78,11 +78,14 @@ def _kl_ref(x_raw, kind, cfg):
     return k, g
 
 
-def ref_loss_and_grad(logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig):
+def ref_loss_and_grad(logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig, ent=None, top=None):
     """float64 in plain Python, token by token, straight from grpo.py's docstring: the loss and its
     derivative written by hand (CISPO's stop-gradient and the KL's score term are not derivatives of
-    the value)."""
+    the value); with the entropy ent [B][T] and the high-entropy tokens top [B][T], also the
+    derivative by each token's entropy."""
     B, T = len(logp), len(logp[0])
+    top = top or [[1.0] * T for _ in range(B)]
+    grad_h = [[0.0] * T for _ in range(B)]
     rows = [[t for t in range(T) if mask[i][t]] for i in range(B)]
     n_tok = sum(len(r) for r in rows)
     n_seq = sum(1 for r in rows if r)
@@ -126,17 +129,20 @@ def ref_loss_and_grad(logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig):
                     pg, drho = -cfg.dual_clip * A, 0.0
                 if cfg.pg == "gspo":  # d s / d logp_t' = s / n for every token t' of the row
                     for t2 in rows[i]:
-                        grad[i][t2] += coef * w[t] * drho * s / n
+                        grad[i][t2] += coef * top[i][t] * w[t] * drho * s / n
                     dpg = 0.0
                 else:
                     dpg = drho * rho
-            total += coef * w[t] * pg
-            grad[i][t] += coef * w[t] * dpg
+            total += coef * top[i][t] * w[t] * pg
+            grad[i][t] += coef * top[i][t] * w[t] * dpg
+            if cfg.entropy_coeff:  # the bonus, on the trained tokens
+                total -= coef * top[i][t] * cfg.entropy_coeff * ent[i][t]
+                grad_h[i][t] -= coef * top[i][t] * cfg.entropy_coeff
             if cfg.kl_beta > 0:
                 k, dk = _kl_ref(ref[i][t] - logp[i][t], cfg.kl_kind, cfg)
                 total += coef * cfg.kl_beta * k
                 grad[i][t] += coef * cfg.kl_beta * dk
-    return total, grad
+    return (total, grad, grad_h) if ent is not None else (total, grad)
 
 
 CONFIGS = [
@@ -216,6 +222,46 @@ def test_loss_and_grad_match_float64(cfg):
                 dn[i][t] -= h
                 fd = (ref_loss_and_grad(up, *args)[0] - ref_loss_and_grad(dn, *args)[0]) / (2 * h)
                 assert want_grad[i][t] == pytest.approx(fd, abs=1e-6), (i, t)
+
+
+ENTROPY_CONFIGS = [
+    grpo.LossConfig(entropy_coeff=0.01),
+    grpo.LossConfig(entropy_coeff=0.05, token_level=False),
+    grpo.LossConfig(top_entropy_quantile=0.2),
+    grpo.LossConfig(entropy_coeff=0.01, top_entropy_quantile=0.2, kl_beta=0.1, eps_high=0.28),
+    grpo.LossConfig(pg="gspo", token_level=False, entropy_coeff=0.01, top_entropy_quantile=0.5),
+    grpo.LossConfig(pg="cispo", entropy_coeff=-0.01, top_entropy_quantile=0.5),
+    grpo.LossConfig(is_correction="tis", is_cap=1.5, entropy_coeff=0.01),
+]
+
+
+@pytest.mark.parametrize("cfg", ENTROPY_CONFIGS, ids=lambda c: f"{c}")
+def test_entropy_bonus_and_high_entropy_tokens_match_float64(cfg):
+    """loss_t = m_t (w_t pg_t - c_H H_t) + beta kl_t: the value and its gradient by logp and by the
+    entropy, from the hand-written float64 reference."""
+    for seed in range(3):
+        logp, old, adv, mask, gen, ref = random_inputs(seed)
+        g = torch.Generator().manual_seed(seed + 10)
+        ent = torch.rand(logp.shape, generator=g, dtype=torch.float64) * 2
+        top = (torch.rand(logp.shape, generator=g) < 0.3).double()
+        top = top if cfg.top_entropy_quantile < 1 else None
+        norm = mask.sum().item() if cfg.token_level else float((mask.sum(1) > 0).sum())
+        x, h = logp.clone().requires_grad_(True), ent.clone().requires_grad_(True)
+        loss, _ = grpo.policy_loss(x, old, adv, mask, cfg, norm, ref, gen, h, top)
+        loss.backward()
+        args = (old.tolist(), adv.tolist(), mask.tolist(), gen.tolist(), ref.tolist(), cfg)
+        want, want_grad, want_h = ref_loss_and_grad(
+            logp.tolist(), *args, ent.tolist(), None if top is None else top.tolist()
+        )
+        assert loss.item() == pytest.approx(want, abs=1e-10, rel=1e-9)
+        torch.testing.assert_close(
+            x.grad, torch.tensor(want_grad, dtype=torch.float64), atol=1e-10, rtol=1e-9
+        )
+        got_h = torch.zeros_like(ent) if h.grad is None else h.grad  # None: no bonus, no graph
+        assert (h.grad is None) == (cfg.entropy_coeff == 0)
+        torch.testing.assert_close(
+            got_h, torch.tensor(want_h, dtype=torch.float64), atol=1e-10, rtol=1e-9
+        )
 
 
 def test_is_oob_counts_what_the_correction_clipped_or_masked():
@@ -363,3 +409,36 @@ def test_passk_refuses_what_it_does_not_define():
     for flags in (dict(leave_one_out=True), dict(adv_scale="batch")):
         err = grpo.config_error(grpo.LossConfig(adv_estimator="grpo_passk", **flags))
         assert err.startswith("--adv-estimator grpo_passk") and "\n" not in err
+
+
+# verl verl/trainer/ppo/core_algos.py (5689fd79) compute_policy_loss_vanilla (clip_ratio_low 0.2,
+# clip_ratio_high 0.28, clip_ratio_c 3) minus entropy_coeff 0.01 x agg_loss(entropy), as
+# verl/workers/actor/dp_actor.py (67a127b4) computes the actor's loss, on one micro-batch of these
+# float64 inputs (advantages [1, -0.5, 0.25] per row)
+VERL_OLD = [[-1.9401, -1.4156, -0.9188, -1.8415], [-1.29, -1.5823, -0.3572, -0.7022],
+            [-1.1627, -0.5765, -0.9057, -0.3536]]  # fmt: skip
+VERL_LOGP = [[-2.1971, -1.0855, -1.2401, -1.8047], [-1.4599, -1.4704, -0.6248, -1.1549],
+             [-1.0516, -0.1395, -0.6238, -0.1211]]  # fmt: skip
+VERL_ENT = [[0.452, 1.1165, 1.1751, 1.3639], [1.4908, 0.4553, 1.6198, 1.2612],
+            [0.3918, 0.3055, 0.963, 1.835]]  # fmt: skip
+VERL_MASK = [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]]
+VERL_LOSS = {"token-mean": -0.42572221502963165, "seq-mean-token-mean": -0.2651565875792088}
+
+
+@pytest.mark.parametrize("mode", list(VERL_LOSS))
+def test_entropy_bonus_against_verl(mode):
+    """On one micro-batch ours is verl's. Across micro-batches verl subtracts the mean of each
+    micro-batch's entropy mean (its agg_loss with the micro-batch's own token count, scaled by 1 /
+    gradient accumulation), ours the entropy summed over the global batch's tokens over their count:
+    the same normalizer as the policy term, at any micro-batching and world size. verl's
+    seq-mean-token-mean adds 1e-8 to each response's token count: within 1e-8 here."""
+    f64 = dict(dtype=torch.float64)
+    logp, old, ent, mask = (
+        torch.tensor(x, **f64) for x in (VERL_LOGP, VERL_OLD, VERL_ENT, VERL_MASK)
+    )
+    token_level = mode == "token-mean"
+    cfg = grpo.LossConfig(eps_high=0.28, dual_clip=3.0, entropy_coeff=0.01, token_level=token_level)
+    norm = mask.sum().item() if token_level else 3.0
+    adv = torch.tensor([1.0, -0.5, 0.25], **f64)
+    loss, _ = grpo.policy_loss(logp, old, adv, mask, cfg, norm, entropy=ent)
+    assert loss.item() == pytest.approx(VERL_LOSS[mode], abs=1e-8)

@@ -103,20 +103,21 @@ def test_chunked_gradient_matches_float64_reference(
     """The chunked path, its LM head's backward written by hand (HeadLogprob), backpropagates the
     same gradient as autograd through full-batch logits (float64 model; HF keeps RoPE in float32),
     for a loss that weighs every token differently: in chunks of 2 positions (each chunk's logits
-    recomputed in backward) and in one chunk (its probabilities kept from forward). The entropy
-    beside it (the update's metric) is the same number and carries no graph."""
+    recomputed in backward) and in one chunk (its probabilities kept from forward). With the
+    entropy, a loss that also weighs each token's entropy (--entropy-coeff): its gradient too."""
     input_ids, am, start, T, resp_lens = random_batch(tok, seed=1)
-    coef = torch.randn(len(resp_lens), T, generator=torch.Generator().manual_seed(0)).double()
+    g = torch.Generator().manual_seed(0)
+    coef, coef_h = (torch.randn(len(resp_lens), T, generator=g).double() for _ in range(2))
+    coef_h = coef_h if with_entropy else torch.zeros_like(coef_h)
     m = model.load_model(tiny_path).double()
     lp, ent = model.LogprobModel(m)(
         input_ids, am, start, T, temperature, chunk_tokens=chunk, with_entropy=with_entropy
     )
-    assert not ent.requires_grad
-    (coef * lp).sum().backward()
+    (coef * lp + coef_h * ent).sum().backward()
     got = torch.cat([p.grad.flatten() for p in m.parameters()])
     m_ref = model.load_model(tiny_path)
     want_lp, want_ent = reference(m_ref, input_ids, am, start, T, resp_lens, temperature)
-    (coef * want_lp).sum().backward()
+    (coef * want_lp + coef_h * want_ent).sum().backward()
     want = torch.cat([p.grad.flatten() for p in m_ref.parameters()])
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)  # RoPE tables stay float32 in HF
     if with_entropy:
@@ -157,11 +158,13 @@ def test_pack_rows_lays_out_the_docstrings_example():
 def test_shared_prompts_give_the_float64_logprobs_and_gradient(tiny_path, tok, pack_tokens):
     """Rows that share a prompt, packed into one decoder row each (the prompt once, each response
     seeing only the prompt and itself): the logprobs, entropy and gradient of a loss that weighs
-    every token differently equal autograd through each row's own full logits in float64. 12 tokens
-    splits the first prompt's samples over packs; 10,000 packs each prompt's samples together. The
-    decoder sees fewer tokens than the rows hold: the prompt is computed once per pack."""
+    every token's logprob and entropy differently equal autograd through each row's own full
+    logits in float64. 12 tokens splits the first prompt's samples over packs; 10,000 packs each
+    prompt's samples together. The decoder sees fewer tokens than the rows hold: the prompt is
+    computed once per pack."""
     input_ids, am, start, T, resp_lens = shared_prompt_batch(tok)
-    coef = torch.randn(len(resp_lens), T, generator=torch.Generator().manual_seed(0)).double()
+    g = torch.Generator().manual_seed(0)
+    coef, coef_h = (torch.randn(len(resp_lens), T, generator=g).double() for _ in range(2))
     m = model.load_model(tiny_path).double()
     seen = []
     m.model.embed_tokens.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape))
@@ -170,15 +173,15 @@ def test_shared_prompts_give_the_float64_logprobs_and_gradient(tiny_path, tok, p
     lp, ent = model.LogprobModel(m)(
         input_ids, am, start, T, 0.7, 4096, with_entropy=True, packs=packs
     )
-    (coef * lp).sum().backward()
+    (coef * lp + coef_h * ent).sum().backward()
     got = torch.cat([p.grad.flatten() for p in m.parameters()])
     assert len(packs) < len(resp_lens) and seen == [torch.Size([len(packs), seen[0][1]])]
     m_ref = model.load_model(tiny_path)
     want_lp, want_ent = reference(m_ref, input_ids, am, start, T, resp_lens, 0.7)
-    (coef * want_lp).sum().backward()
+    (coef * want_lp + coef_h * want_ent).sum().backward()
     want = torch.cat([p.grad.flatten() for p in m_ref.parameters()])
     torch.testing.assert_close(lp.detach(), want_lp.detach(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ent, want_ent.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.detach(), want_ent.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 

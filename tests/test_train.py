@@ -533,3 +533,47 @@ def test_the_update_plan_runs_the_rows_whose_loss_term_can_be_nonzero(tiny_path,
         1,
         2,
     ]
+
+
+# TRL 1.16.0 trl/trainer/grpo_trainer.py GRPOTrainer.get_high_entropy_mask(entropies, mask,
+# threshold=1 - q) on these entropies and mask, one process: {q: mask}
+TRL_ENT = [[0.452, 1.1165, 1.1751, 1.3639], [1.4908, 0.4553, 1.6198, 1.2612],
+           [0.3918, 0.3055, 0.963, 1.835]]  # fmt: skip
+TRL_TOP = {
+    0.2: [[0, 0, 0, 1], [1, 0, 0, 0], [0, 0, 0, 0]],
+    0.5: [[0, 1, 1, 1], [1, 0, 0, 0], [0, 0, 1, 0]],
+}
+
+
+def entropy_batch(advantages):
+    """One group of responses of 4, 2 and 3 tokens to a one-token prompt (and a fourth of 4 tokens
+    when four advantages are given)."""
+    lens = [4, 2, 3, 4][: len(advantages)]
+    samples = [rollout.Sample(0, [5] * n, [-1.0] * n, False) for n in lens]
+    return batch.make_batch([[1]], samples, torch.tensor(advantages), False, 0)
+
+
+def ref_quantile(values, q):
+    """torch.quantile's linear interpolation, in plain Python."""
+    v, at = sorted(values), q * (len(values) - 1)
+    lo = int(at)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (at - lo)
+
+
+@pytest.mark.parametrize("q", list(TRL_TOP))
+def test_high_entropy_tokens_are_trls_and_the_top_q_of_the_counted_tokens(q):
+    b = entropy_batch([1.0, -1.0, 0.5])
+    cfg = config(train.Config, group_size=3, prompts_per_step=1, top_entropy_quantile=q)
+    ent = torch.tensor(TRL_ENT)
+    got = train.high_entropy(b, ent, cfg, 0)
+    assert got.int().mul(b.loss_mask.int()).tolist() == TRL_TOP[q]
+    # where TRL and this differ by design: a row whose advantage is 0 (which skipping leaves out)
+    # does not count in the quantile, whatever its entropies
+    b = entropy_batch([1.0, -1.0, 0.5, 0.0])
+    cfg = config(train.Config, group_size=4, prompts_per_step=1, top_entropy_quantile=q)
+    ent4 = torch.cat([ent, torch.tensor([[9.0, 9.0, 9.0, 9.0]])])
+    got = train.high_entropy(b, ent4, cfg, 0)
+    counted = [e for row, m in zip(TRL_ENT, b.loss_mask[:3].tolist()) for e, k in zip(row, m) if k]
+    at = ref_quantile(counted, 1 - q)
+    assert got[:3].int().mul(b.loss_mask[:3].int()).tolist() == TRL_TOP[q]
+    assert got[:3].tolist() == (ent >= at).float().tolist()

@@ -176,6 +176,8 @@ PRESETS = {
     # the KL term to the start model at DeepScaleR stage 2's beta, against none (stage 1's); meant
     # for --setup smollm2
     "kl": ("", [("no KL", ""), ("KL 1e-3", "--kl-beta 1e-3")]),
+    # the entropy bonus against none, held-out figures every 2 steps; meant for --setup smollm2
+    "entropy": ("--eval-every 2", [("no bonus", ""), ("entropy bonus", "--entropy-coeff 0.01")]),
 }
 # the harness sets these
 OWNED = (
@@ -197,7 +199,16 @@ class ExpConfig:
     # one of the docs' tables (ignored when --variant is given); lora-recipe is meant for --setup
     # recipe --stage 2
     preset: Literal[
-        "loss", "loo", "adv-scale", "overlong", "dynamic", "level", "lora", "lora-recipe", "kl"
+        "loss",
+        "loo",
+        "adv-scale",
+        "overlong",
+        "dynamic",
+        "level",
+        "lora",
+        "lora-recipe",
+        "kl",
+        "entropy",
     ] = "loss"
     # NAME=FLAGS, one per variant ("base=" for none); the first is the reference
     variant: tuple[str, ...] = ()
@@ -739,13 +750,16 @@ def table(stats: list[dict]) -> str:
 
 def plot(path: Path, variants: list[tuple[str, str]], done: list[Run], title: str) -> None:
     """Each variant's mean held-out pass@1 over its seeds at every evaluation, with its 95% band,
-    and its mean training reward."""
-    fig = Figure(figsize=(13, 4.5))
-    ax, bx = fig.subplots(1, 2)
+    its mean training reward, and its mean policy entropy (per response token of the rows the
+    update computed)."""
+    fig = Figure(figsize=(18, 4.5))
+    ax, bx, cx = fig.subplots(1, 3)
     for name, _ in variants:
         runs = [r for r in done if r.variant == name]
-        for a, key in ((ax, "heldout_pass1"), (bx, "reward_mean")):
-            curves = [{row["step"]: row[key] for row in r.rows if key in row} for r in runs]
+        for a, key in ((ax, "heldout_pass1"), (bx, "reward_mean"), (cx, "entropy")):
+            curves = [
+                {row["step"]: row[key] for row in r.rows if row.get(key) is not None} for r in runs
+            ]
             steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
             if not steps:
                 continue
@@ -761,7 +775,8 @@ def plot(path: Path, variants: list[tuple[str, str]], done: list[Run], title: st
                 )
     ax.set_title("held-out pass@1: mean over seeds, 95% band")
     bx.set_title("training reward: mean over seeds")
-    for a in (ax, bx):
+    cx.set_title("policy entropy (nats per token): mean over seeds")
+    for a in (ax, bx, cx):
         a.set_xlabel("GRPO step")
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
