@@ -44,6 +44,7 @@ class Batch:
     ref_logp: torch.Tensor | None = None  # [N, T] the frozen start model's (--kl-beta > 0)
     # [N, T] 1 on the tokens the policy-gradient term trains (--top-entropy-quantile < 1)
     top: torch.Tensor | None = None
+    picked: torch.Tensor | None = None  # [N, T] 1 on Clip-Cov's / KL-Cov's tokens (--pg)
     # rows (by place) that share a prompt, each pack one row of the forward (plan)
     packs: list[list[int]] | None = None
 

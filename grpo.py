@@ -52,6 +52,11 @@ Other policy losses (LossConfig.pg), each exactly as NeMo-RL computes it:
     cispo      pg_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) * A_i * logp_t; the clip bounds
                the weight, never the gradient of a token          (CISPO, MiniMax-M1, MiniMax 2025)
     reinforce  pg_t = -A_i * logp_t, no ratio                    (REINFORCE, Williams 1992; RLOO's)
+    clip_cov   PPO's pg_t, times 0 at the picked tokens c_t = 1 (covariance_tokens): they add no
+               gradient                  (Clip-Cov, Cui et al. 2025, "The Entropy Mechanism of
+               Reinforcement Learning for Reasoning Language Models"; verl's loss_mode=clip_cov)
+    kl_cov     pg_t = -A_i * rho_t (no clip) + ppo_kl_coef * |logp_t - old_logp_t| * c_t
+                                             (KL-Cov, the same paper; verl's loss_mode=kl_cov)
 
 Engine/trainer mismatch corrections (LossConfig.is_correction), v_t = exp(old_logp_t - gen_logp_t):
 
@@ -76,7 +81,7 @@ import torch
 # flags)
 AdvScale = Literal["group", "batch", "none"]
 AdvEstimator = Literal["grpo", "grpo_passk"]
-PolicyLoss = Literal["ppo", "gspo", "cispo", "reinforce"]
+PolicyLoss = Literal["ppo", "gspo", "cispo", "reinforce", "clip_cov", "kl_cov"]
 KLKind = Literal["k1", "k2", "k3"]
 ISCorrection = Literal["none", "tis", "icepop", "seq-mask-tis", "seq-mask"]
 
@@ -97,7 +102,8 @@ class LossConfig:
     # (Dr. GRPO)
     adv_scale: AdvScale = "group"
     # policy loss: clipped PPO ratio per token, GSPO's ratio per sequence (needs --no-token-level),
-    # CISPO's clipped stop-gradient weight, or REINFORCE (no ratio)
+    # CISPO's clipped stop-gradient weight, REINFORCE (no ratio), or PPO with Clip-Cov or KL-Cov
+    # (verl's loss_mode names)
     pg: PolicyLoss = "ppo"
     eps_low: float = 0.2  # ratio clip below 1 - eps_low (PPO)
     eps_high: float = 0.2  # ratio clip above 1 + eps_high; > eps_low is DAPO's clip-higher
@@ -120,6 +126,15 @@ class LossConfig:
     # train on the tokens whose entropy under the old policy is in the top q of the minibatch's
     # (TRL's top_entropy_quantile; 0.2: Wang et al. 2025's 20% forking tokens); 1 = every token
     top_entropy_quantile: float = 1.0
+    # Clip-Cov: this fraction of the minibatch's loss tokens, drawn among those whose covariance is
+    # in (clip_cov_lb, clip_cov_ub), get no gradient (verl's names and defaults)
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    # KL-Cov: this fraction of the loss tokens, those of the largest covariance, get ppo_kl_coef x
+    # |logp - old_logp| (verl's names and defaults)
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 1.0
     # engine/trainer mismatch correction: truncate (tis) or mask (icepop) token weights, or drop
     # whole responses (seq-mask-tis, seq-mask)
     is_correction: ISCorrection = "none"
@@ -151,6 +166,8 @@ def config_error(cfg: LossConfig) -> str:
             "--adv-estimator grpo_passk: has no leave-one-out baseline and scales by the group "
             "std or not at all (--adv-scale group or none)"
         )
+    if not (0 < cfg.clip_cov_ratio <= 1 and 0 < cfg.kl_cov_ratio <= 1):
+        return f"--clip-cov-ratio {cfg.clip_cov_ratio} --kl-cov-ratio {cfg.kl_cov_ratio}: in (0, 1]"
     if not 0 < cfg.top_entropy_quantile <= 1:
         return f"--top-entropy-quantile {cfg.top_entropy_quantile}: must be in (0, 1]"
     if cfg.dual_clip and cfg.dual_clip <= 1:
@@ -293,6 +310,33 @@ def passk_advantages(
     return torch.zeros_like(r).scatter(1, top.indices[:, :1], margin[:, None]).float()
 
 
+def covariance_tokens(
+    adv: torch.Tensor, logp: torch.Tensor, cfg: LossConfig, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Which of M loss tokens Clip-Cov clips or KL-Cov penalizes (Cui et al. 2025), as a bool [M],
+    from each token's advantage adv [M] and logprob logp [M] (in a fixed order):
+
+      cov_t = (A_t - mean A) * (logp_t - mean logp), the means over the M tokens
+      clip_cov: k = max(int(clip_cov_ratio M), 1) tokens drawn uniformly without replacement
+                (torch.randperm with `generator`) among those with clip_cov_lb < cov_t <
+                clip_cov_ub; all of them when fewer
+      kl_cov:   the k = max(int(kl_cov_ratio M), 1) tokens of the largest cov_t (torch.topk)
+
+    as verl's compute_policy_loss_clip_cov / _kl_cov pick them in a micro-batch. verl's Clip-Cov
+    also leaves out the tokens PPO's clip already clips; picked before the update (the ratio is 1),
+    as train.covariance_picks does, there are none."""
+    adv, logp = adv.double(), logp.double()
+    cov = (adv - adv.mean()) * (logp - logp.mean())  # [M]
+    picked = torch.zeros(len(cov), dtype=torch.bool)
+    if cfg.pg == "kl_cov" and len(cov):
+        picked[cov.topk(max(int(cfg.kl_cov_ratio * len(cov)), 1)).indices] = True
+    elif cfg.pg == "clip_cov" and len(cov):
+        band = ((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)).nonzero().flatten()
+        k = max(int(cfg.clip_cov_ratio * len(cov)), 1)
+        picked[band[torch.randperm(len(band), generator=generator)[:k]]] = True
+    return picked
+
+
 def kl_estimate(
     logp: torch.Tensor,
     ref_logp: torch.Tensor,
@@ -380,6 +424,7 @@ def policy_loss(
     gen_logp: torch.Tensor | None = None,  # [B, T] the engine's logprobs, needed for is_correction
     entropy: torch.Tensor | None = None,  # [B, T] the policy's entropy, with grad: entropy_coeff
     top: torch.Tensor | None = None,  # [B, T] 1 on the high-entropy tokens: top_entropy_quantile
+    picked: torch.Tensor | None = None,  # [B, T] 1 on clip_cov's / kl_cov's tokens
 ) -> tuple[torch.Tensor, LossMetrics]:
     """This micro-batch's share of the loss of the global batch, and its diagnostics (LossMetrics:
     sums).
@@ -391,6 +436,8 @@ def policy_loss(
     err = config_error(cfg)
     if err:
         raise ValueError(err)
+    if cfg.pg in ("clip_cov", "kl_cov") and picked is None:
+        raise ValueError(f"--pg {cfg.pg} needs the picked tokens (covariance_tokens)")
     mask = mask.to(logp.dtype)
     A = advantages.to(logp.dtype)[:, None]  # [B, 1]
     log_ratio = logp - old_logp  # [B, T]
@@ -404,8 +451,11 @@ def policy_loss(
         pg = -A * clipped.detach() * logp
     elif cfg.pg == "reinforce":
         pg = -A * logp
+    elif cfg.pg == "kl_cov":
+        pg = -A * ratio + cfg.ppo_kl_coef * log_ratio.abs() * picked
     else:
         pg = torch.maximum(-A * ratio, -A * clipped)  # [B, T]
+        pg = pg * (1 - picked) if cfg.pg == "clip_cov" else pg
     if cfg.dual_clip > 0:
         pg = torch.where(A < 0, torch.minimum(pg, -cfg.dual_clip * A), pg)
 
@@ -440,7 +490,7 @@ def policy_loss(
         loss = _seq_mean(per_token, mask).sum() / num_tokens  # an all-masked row adds 0
 
     with torch.no_grad():
-        clips = cfg.pg in ("ppo", "gspo", "cispo")
+        clips = cfg.pg in ("ppo", "gspo", "cispo", "clip_cov")
         metrics = LossMetrics(
             loss=loss.detach(),
             tokens=mask.sum(),

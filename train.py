@@ -224,7 +224,8 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
             groups.prompts, groups.samples, adv.flatten(), cfg.overlong_filter, pad
         )
         with runtime.timed(times, "logprobs"):  # 5. old (and reference) logprobs
-            b = old_logprobs(policy, ref, b, cfg, device, groups.first_group)
+            seed = hash((cfg.run.seed, step)) % 2**31  # Clip-Cov's draw
+            b = old_logprobs(policy, ref, b, cfg, device, groups.first_group, seed)
         with runtime.timed(times, "update"):  # 6. loss -> backward -> clip -> AdamW, per minibatch
             upd = update_policy(policy, opt, sched, b, cfg, device, groups.first_group)
         peak_gib = runtime.peak_memory_gib(device, engine.device_bytes)
@@ -255,8 +256,8 @@ def load_policy_and_ref(cfg: Config, path: str, device):
     )
     if cfg.skip_zero_advantage and dense(cfg):  # batch.trained_rows
         distributed.print0(
-            "--kl-beta / --entropy-coeff: every sample with loss tokens runs forward and backward "
-            "in the update (the KL term and the entropy bonus do not vanish with the advantage)"
+            "--kl-beta / --entropy-coeff / --pg clip_cov|kl_cov: every sample with loss tokens "
+            "runs forward and backward in the update (their terms do not vanish with the advantage)"
         )
     if cfg.loss.kl_beta == 0:
         return policy, None
@@ -455,9 +456,9 @@ def plan(m, b: Batch, rows: list[int], cfg: Config, skip: bool) -> list[Batch]:
 
 
 def dense(cfg: Config) -> bool:
-    """Whether the loss has a term that does not vanish with the advantage: the KL term, the
-    entropy bonus."""
-    return cfg.loss.kl_beta > 0 or cfg.loss.entropy_coeff != 0
+    """Whether the loss has a term that does not vanish with the advantage (the KL term, the entropy
+    bonus, KL-Cov's penalty), or counts every token (Clip-Cov's covariance)."""
+    return cfg.loss.kl_beta > 0 or cfg.loss.entropy_coeff != 0 or "cov" in cfg.loss.pg
 
 
 def n_minibatches(cfg: Config) -> int:
@@ -465,13 +466,16 @@ def n_minibatches(cfg: Config) -> int:
     return cfg.prompts_per_step * cfg.group_size // cfg.minibatch_size if cfg.minibatch_size else 1
 
 
-def old_logprobs(policy, ref, b: Batch, cfg: Config, device, first_group: int = 0) -> Batch:
+def old_logprobs(
+    policy, ref, b: Batch, cfg: Config, device, first_group: int = 0, seed: int = 0
+) -> Batch:
     """Step 5: b with the trainer's logprobs of the sampled tokens before the update (old_logp, [N,
     T]) and the frozen start model's (ref_logp, [N, T], for the KL term), each a no-grad pass over
     token-budget micro-batches. With LoRA `ref` is the policy itself with its adapters switched off:
     the base, which is the start model. With --top-entropy-quantile < 1 the policy's pass also
     gives the old entropy, and b.top marks each minibatch's high-entropy tokens (high_entropy;
-    first_group: Groups.first_group).
+    first_group: Groups.first_group). With --pg clip_cov or kl_cov it gives the logprobs b.picked
+    is chosen by (covariance_picks; seed: Clip-Cov's draw).
 
     With one minibatch old_logp stays None and costs no pass: the policy has not moved before its
     only update, so the update's own forward, detached, gives the old logprobs (update_policy); the
@@ -486,15 +490,41 @@ def old_logprobs(policy, ref, b: Batch, cfg: Config, device, first_group: int = 
             out[:, mb.rows, : mb.T] = torch.stack([lp, en]).cpu()
         return out
 
-    n, top = n_minibatches(cfg), cfg.loss.top_entropy_quantile < 1
-    old = pass_over(policy, skip=True, entropy=top) if n > 1 or top else None
+    n, top, cov = n_minibatches(cfg), cfg.loss.top_entropy_quantile < 1, "cov" in cfg.loss.pg
+    old = pass_over(policy, skip=True, entropy=top) if n > 1 or top or cov else None
     b = replace(b, old_logp=old[0] if n > 1 else None)
     if top:
         b = replace(b, top=high_entropy(b, old[1], cfg, first_group))
+    if cov:
+        b = replace(b, picked=covariance_picks(b, old[0], cfg, first_group, seed))
     if ref is None:
         return b
     with lora.adapters_off(ref.lm):  # a no-op for a frozen copy, which has no adapters
         return replace(b, ref_logp=pass_over(ref, skip=False)[0])
+
+
+def covariance_picks(
+    b: Batch, logp: torch.Tensor, cfg: Config, first_group: int, seed: int
+) -> torch.Tensor:
+    """[N, T] 1 on the tokens Clip-Cov clips or KL-Cov penalizes in each minibatch
+    (grpo.covariance_tokens), chosen over the minibatch's loss tokens on every rank with the old
+    policy's logprobs (logp [N, T]): rank 0 gathers them in the step's row order, picks (Clip-Cov's
+    draw from a generator seeded by `seed`) and sends each rank its own, so that the picks are the
+    same at any world size and micro-batching. verl picks in each micro-batch with the current
+    policy's logprobs: the same picks with one micro-batch and one minibatch. A collective."""
+    picked, g = torch.zeros_like(logp), torch.Generator().manual_seed(seed)
+    for rows in batch.minibatches(len(b.rows), n_minibatches(cfg), cfg.group_size, first_group):
+        m = b.loss_mask[rows].bool()  # [n, T]
+        mine = torch.stack([b.advantages[rows, None].expand(m.shape)[m], logp[rows][m]])  # [2, k]
+        parts = distributed.gather_to_main(mine)  # rank 0: in rank order, the step's row order
+        every = torch.cat(parts or [mine], 1)
+        chosen = grpo.covariance_tokens(every[0], every[1], cfg.loss, g)
+        chosen, sizes = distributed.from_main((chosen, [p.shape[1] for p in parts]))
+        at = sum(sizes[: distributed.rank()])
+        here = torch.zeros(m.shape, dtype=logp.dtype)
+        here[m] = chosen[at : at + int(m.sum())].to(logp.dtype)
+        picked[rows] = here
+    return picked
 
 
 def high_entropy(b: Batch, entropy: torch.Tensor, cfg: Config, first_group: int) -> torch.Tensor:
@@ -551,7 +581,7 @@ def update_policy(
             old = logp.detach() if mb.old_logp is None else mb.old_logp  # None: one minibatch
             loss, metrics = grpo.policy_loss(
                 logp, old, mb.advantages, mb.loss_mask, cfg.loss, norm, mb.ref_logp, mb.gen_logp,
-                entropy, mb.top,
+                entropy, mb.top, mb.picked,
             )  # fmt: skip
             with distributed.gradient_sync(policy, k == len(micro) - 1):  # once per minibatch
                 (loss * distributed.loss_scale()).backward()

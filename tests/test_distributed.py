@@ -376,6 +376,11 @@ SKIPS = {
     "top-entropy": (12, 2, 1e-3, "adamw", "ppo", 0, "graded", {"top_entropy_quantile": 0.5}),
     "entropy-lora-gspo": (12, 2, 1e-3, "adamw", "gspo", 2, "graded",
                           {"entropy_coeff": 0.01, "top_entropy_quantile": 0.5}),
+    # Clip-Cov and KL-Cov count every token: every row runs; the picks (Clip-Cov's a draw) over the
+    # minibatch on every rank, the same at any world size
+    "clip-cov": (12, 2, 1e-3, "adamw", "clip_cov", 0, "graded",
+                 {"clip_cov_ratio": 0.2, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0}),
+    "kl-cov": (12, 2, 1e-3, "adamw", "kl_cov", 0, "rank1-uniform", {"kl_cov_ratio": 0.2}),
     # pass@k: only each group's single best sample has A != 0
     "passk": (12, 2, 1e-3, "adamw", "ppo", 0, "graded", {"adv_estimator": "grpo_passk"}),
     # as dynamic sampling leaves a rank whose groups were all uniform: one of them, fewer rows
@@ -415,7 +420,7 @@ def skips(tmp_path_factory, tiny_path) -> dict:
 def test_skipping_zero_advantage_rows_gives_the_same_update(skips, tiny_path, case):
     import dist_worker
 
-    _, _, lr, _, _, _, kind, flags = SKIPS[case]
+    _, _, lr, _, pg, _, kind, flags = SKIPS[case]
     got = {
         (n, how): torch.load(skips[n] / f"{case}.{how}.pt")
         for n in (1, 2)
@@ -425,7 +430,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(skips, tiny_path, ca
     # the rows each update computed: with skipping only those whose advantage is not 0, counted from
     # the rewards here (float64, group mean and sample std), not from the code under test
     r = dist_worker.skip_rewards(kind).double()
-    if flags.get("entropy_coeff"):  # every row runs
+    if flags.get("entropy_coeff") or "cov" in pg:  # every row runs
         nonzero = torch.ones_like(r, dtype=torch.bool)
     elif flags.get("leave_one_out"):
         others = (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1)
@@ -446,7 +451,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(skips, tiny_path, ca
             assert ran[n, "full"]["seqs"] == r.numel(), (n, ran[n, "full"])
         # at one rank, dynamic sampling kept only informative groups: nothing to skip
         assert ran[n, "skip"]["seqs"] < ran[n, "full"]["seqs"] or (
-            (n == 1 and flags.get("dynamic_sampling")) or flags.get("entropy_coeff")
+            (n == 1 and flags.get("dynamic_sampling")) or flags.get("entropy_coeff") or "cov" in pg
         )
         # the skipped rows' loss tokens still count (normalizer, clip fractions)
         assert ran[n, "skip"]["loss_tokens"] == ran[n, "full"]["loss_tokens"]

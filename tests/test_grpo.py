@@ -78,7 +78,9 @@ def _kl_ref(x_raw, kind, cfg):
     return k, g
 
 
-def ref_loss_and_grad(logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig, ent=None, top=None):
+def ref_loss_and_grad(
+    logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig, ent=None, top=None, picked=None
+):
     """float64 in plain Python, token by token, straight from grpo.py's docstring: the loss and its
     derivative written by hand (CISPO's stop-gradient and the KL's score term are not derivatives of
     the value); with the entropy ent [B][T] and the high-entropy tokens top [B][T], also the
@@ -121,6 +123,10 @@ def ref_loss_and_grad(logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig, ent=
                 pg, dpg = -A * clip * logp[i][t], -A * clip
             elif cfg.pg == "reinforce":
                 pg, dpg = -A * logp[i][t], -A
+            elif cfg.pg == "kl_cov":  # no clip; |logp - old| at the picked tokens
+                d = logp[i][t] - old[i][t]
+                c = cfg.ppo_kl_coef * picked[i][t]
+                pg, dpg = -A * rho + c * abs(d), -A * rho + c * (d > 0) - c * (d < 0)
             else:
                 # the max takes the unclipped branch (equal inside the band)
                 unclipped = -A * rho >= -A * clip
@@ -133,6 +139,8 @@ def ref_loss_and_grad(logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig, ent=
                     dpg = 0.0
                 else:
                     dpg = drho * rho
+                if cfg.pg == "clip_cov" and picked[i][t]:
+                    pg, dpg = 0.0, 0.0
             total += coef * top[i][t] * w[t] * pg
             grad[i][t] += coef * top[i][t] * w[t] * dpg
             if cfg.entropy_coeff:  # the bonus, on the trained tokens
@@ -222,6 +230,24 @@ def test_loss_and_grad_match_float64(cfg):
                 dn[i][t] -= h
                 fd = (ref_loss_and_grad(up, *args)[0] - ref_loss_and_grad(dn, *args)[0]) / (2 * h)
                 assert want_grad[i][t] == pytest.approx(fd, abs=1e-6), (i, t)
+
+
+@pytest.mark.parametrize("pg", ["clip_cov", "kl_cov"])
+def test_clip_cov_and_kl_cov_losses_match_float64(pg):
+    cfg = grpo.LossConfig(pg=pg, eps_high=0.28, kl_cov_ratio=0.3, ppo_kl_coef=0.5)
+    for seed in range(3):
+        logp, old, adv, mask, gen, ref = random_inputs(seed)
+        picked = torch.rand(logp.shape, generator=torch.Generator().manual_seed(seed)) < 0.3
+        picked = picked.double()
+        x = logp.clone().requires_grad_(True)
+        loss, _ = grpo.policy_loss(x, old, adv, mask, cfg, mask.sum().item(), picked=picked)
+        loss.backward()
+        args = (old.tolist(), adv.tolist(), mask.tolist(), gen.tolist(), ref.tolist(), cfg)
+        want, want_grad = ref_loss_and_grad(logp.tolist(), *args, picked=picked.tolist())
+        assert loss.item() == pytest.approx(want, abs=1e-10, rel=1e-9)
+        torch.testing.assert_close(
+            x.grad, torch.tensor(want_grad, dtype=torch.float64), atol=1e-10, rtol=1e-9
+        )
 
 
 ENTROPY_CONFIGS = [
@@ -442,3 +468,71 @@ def test_entropy_bonus_against_verl(mode):
     adv = torch.tensor([1.0, -0.5, 0.25], **f64)
     loss, _ = grpo.policy_loss(logp, old, adv, mask, cfg, norm, entropy=ent)
     assert loss.item() == pytest.approx(VERL_LOSS[mode], abs=1e-8)
+
+
+# verl compute_policy_loss_clip_cov / compute_policy_loss_kl_cov (core_algos.py, 5689fd79;
+# clip_ratio 0.2, token-mean) on one micro-batch of VERL_OLD / VERL_LOGP / VERL_MASK, advantages
+# [1, -0.5, 0.25] per row: the loss and its gradient by log_prob. Clip-Cov on-policy (log_prob =
+# VERL_OLD), ratio 0.3 (2 of the 9 tokens), band (0.05, 5), which holds exactly 2 tokens, so that
+# verl's random draw takes both; KL-Cov off-policy (log_prob = VERL_LOGP), ratio 0.3, coefficient 1.
+VERL_COV = {
+    "clip_cov": (
+        dict(clip_cov_ratio=0.3, clip_cov_lb=0.05, clip_cov_ub=5.0),
+        -0.3611111111111111,
+        [[-0.1111111111, -0.1111111111, 0.0, -0.1111111111], [0.0555555556, 0.0, 0.0, 0.0],
+         [-0.0277777778, -0.0277777778, -0.0277777778, 0.0]],
+    ),
+    "kl_cov": (
+        dict(kl_cov_ratio=0.3, ppo_kl_coef=1.0),
+        -0.40689930266092605,
+        [[-0.0859298015, -0.1545674702, -0.0805784063, -0.115276167],
+         [-0.0642361563, 0.1732445008, 0.0, 0.0],
+         [-0.0310418514, -0.0430015577, -0.0368235041, 0.0]],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("pg", list(VERL_COV))
+def test_clip_cov_and_kl_cov_against_verl(pg):
+    """The picks from the logprobs verl picks with (its current policy's; train.covariance_picks
+    uses the old policy's, the same ones before the first update), then the loss."""
+    flags, want, want_grad = VERL_COV[pg]
+    f64 = dict(dtype=torch.float64)
+    old, mask = torch.tensor(VERL_OLD, **f64), torch.tensor(VERL_MASK, **f64)
+    logp = (old if pg == "clip_cov" else torch.tensor(VERL_LOGP, **f64)).clone()
+    adv = torch.tensor([1.0, -0.5, 0.25], **f64)
+    cfg = grpo.LossConfig(pg=pg, **flags)
+    m = mask.bool()
+    picked = torch.zeros_like(mask)
+    picked[m] = grpo.covariance_tokens(adv[:, None].expand(3, 4)[m], logp[m], cfg).double()
+    x = logp.requires_grad_(True)
+    loss, _ = grpo.policy_loss(x, old, adv, mask, cfg, mask.sum().item(), picked=picked)
+    loss.backward()
+    assert loss.item() == pytest.approx(want, abs=1e-12)
+    torch.testing.assert_close(x.grad, torch.tensor(want_grad, **f64), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("pg", ["clip_cov", "kl_cov"])
+def test_covariance_tokens_match_float64(pg):
+    rng = random.Random(2)
+    adv = [rng.choice([-1.0, 0.0, 0.5, 1.0]) for _ in range(400)]
+    logp = [-rng.random() * 6 for _ in range(400)]
+    ma, ml = sum(adv) / 400, sum(logp) / 400
+    cov = [(a - ma) * (lp - ml) for a, lp in zip(adv, logp)]
+    cfg = grpo.LossConfig(pg=pg, clip_cov_ratio=0.02, clip_cov_lb=0.5, clip_cov_ub=2.0)
+    cfg.kl_cov_ratio = 0.02
+    got = grpo.covariance_tokens(torch.tensor(adv), torch.tensor(logp), cfg, torch.Generator())
+    k = 8  # int(0.02 x 400)
+    if pg == "kl_cov":
+        assert set(got.nonzero().flatten().tolist()) == set(
+            sorted(range(400), key=lambda i: -cov[i])[:k]
+        )
+    else:  # k drawn from the band, each drawing its own: never outside it
+        band = {i for i in range(400) if 0.5 < cov[i] < 2.0}
+        assert (
+            len(band) > k and int(got.sum()) == k and set(got.nonzero().flatten().tolist()) <= band
+        )
+        draws = {tuple(grpo.covariance_tokens(torch.tensor(adv), torch.tensor(logp), cfg,
+                                              torch.Generator().manual_seed(s)).nonzero().flatten().tolist())
+                 for s in range(5)}  # fmt: skip
+        assert len(draws) > 1
