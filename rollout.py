@@ -14,11 +14,8 @@ What it does not do: decide what to generate (train.py), score responses (reward
 sharded weights (distributed.py streams them; this file only consumes the stream).
 """
 
-import hashlib
-import json
 import logging
 import os
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Iterable, Protocol
@@ -358,57 +355,6 @@ class HFEngine:
         self.device_bytes = (
             sum(p.numel() * p.element_size() for p in self.model.parameters()) if on_gpu else 0
         )
-        self.fast_cpu_decode = self.model.device.type == "cpu" and self._fast_cpu_decode_pays()
-
-    def _fast_cpu_decode_pays(self) -> bool:
-        """Whether this CPU generates faster from this model with matmul attention and a KV cache
-        preallocated for prompt + max_tokens (no re-concatenation of the whole cache at every token)
-        than with transformers' defaults (SDPA, a growing cache).
-
-        Both help on some CPUs and not on others (docs/speed.md), so each machine measures it once
-        per model shape and dtype (16 rows x 16 tokens, each way once to warm up, then five pairs
-        taken in turn: a second or two on a small model) and keeps the answer in the model cache,
-        which every later engine on the machine reads: runs stay reproducible. The faster path must
-        win the median pair by 3%, or the defaults stay.
-        """
-        # the CPU's model and its instruction-set extensions
-        cpu = (
-            sorted({ln for ln in open("/proc/cpuinfo") if ln.startswith(("model name", "flags"))})
-            if os.path.exists("/proc/cpuinfo")
-            else []
-        )
-        # not its path
-        shape = {k: v for k, v in self.model.config.to_dict().items() if not k.startswith("_")}
-        what = [cpu, os.cpu_count(), torch.__version__, shape, str(self.model.dtype)]
-        key = hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
-        path = model.DEFAULT_CACHE / "cpu-decode" / f"{key[:16]}.json"
-        if path.exists():
-            return json.loads(path.read_text())["fast"]
-        flat = [(0, list(range(1, 9)))] * 16
-
-        def seconds(fast: bool) -> float:
-            t = time.perf_counter()
-            self._generate_batch(flat, 16, 1.0, 1.0, min_tokens=16, fast=fast)
-            return time.perf_counter() - t
-
-        with torch.random.fork_rng(), torch.no_grad():  # the caller's random stream stays as it was
-            seconds(True), seconds(False)  # first calls allocate and warm up
-            pairs = [(seconds(True), seconds(False)) for _ in range(5)]
-        ratio = sorted(a / b for a, b in pairs)[2]  # the median pair
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(
-            json.dumps({"fast": ratio < 0.97, "fast_over_default": ratio, "seconds": pairs})
-        )
-        # the first answer written stays: processes that measured at the same time (ranks) all take
-        # it
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
-        return json.loads(path.read_text())["fast"]
 
     @torch.no_grad()
     def generate(
@@ -438,34 +384,17 @@ class HFEngine:
             range(0, len(flat), self.batch_size), desc="generate", disable=not progress, leave=False
         ):
             batch = flat[s : s + self.batch_size]
-            samples += self._generate_batch(
-                batch,
-                [caps[i] for i, _ in batch],
-                temperature,
-                top_p,
-                min_tokens,
-                self.fast_cpu_decode,
-            )
+            caps_here = [caps[i] for i, _ in batch]
+            samples += self._generate_batch(batch, caps_here, temperature, top_p, min_tokens)
         return samples
 
-    def _generate_batch(
-        self, flat, caps, temperature, top_p, min_tokens=0, fast=False
-    ) -> list[Sample]:
-        caps = caps if isinstance(caps, list) else [caps] * len(flat)
+    def _generate_batch(self, flat, caps, temperature, top_p, min_tokens=0) -> list[Sample]:
         width = max(len(p) for _, p in flat)
         ids = torch.full((len(flat), width), self.pad, dtype=torch.long)  # left-padded for generate
         am = torch.zeros_like(ids)
         for r, (_, p) in enumerate(flat):
             ids[r, width - len(p) :] = torch.tensor(p)
             am[r, width - len(p) :] = 1
-        if getattr(self.model, "set_attn_implementation", None):
-            # plain attention holds [rows, heads, width, width] scores during the prompt's forward:
-            # only while those stay small (<= 256 MiB a layer)
-            heads = self.model.config.num_attention_heads
-            small = len(flat) * heads * width * width * 4 <= 2**28
-            self.model.set_attn_implementation(
-                "eager" if fast and small else model.attention(self.model)
-            )
         greedy = temperature == 0
         rec = _SampledLogprobs(temperature or 1.0)
         out = self.model.generate(
@@ -482,9 +411,6 @@ class HFEngine:
             pad_token_id=self.pad,
             logits_processor=LogitsProcessorList([rec]),
             return_dict_in_generate=True,
-            # never on GPU: there transformers would torch.compile the model for a static cache, per
-            # batch shape
-            cache_implementation="static" if fast else None,
         )
         new = out.sequences[:, width:]  # [N, t]
         logp = rec.finish(new).cpu()  # [N, t]

@@ -128,7 +128,8 @@ class Config:
     # samples whose advantage is exactly 0 (a group whose rewards are all equal) run no forward or
     # backward in the update: their loss and gradient are exactly 0, so the weights after the step
     # are the same, in less time (the loss's normalizers still count them); off: computed anyway.
-    # Only while --kl-beta is 0: the KL term does not vanish with the advantage
+    # Not with --kl-beta, --entropy-coeff or --pg clip_cov|kl_cov, whose terms do not vanish with
+    # the advantage
     skip_zero_advantage: bool = True
     # a group's samples share their prompt's tokens: the trainer's forward and backward compute
     # them once per pack of samples (one row: the prompt, then each response seeing only the
@@ -224,8 +225,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
             groups.prompts, groups.samples, adv.flatten(), cfg.overlong_filter, pad
         )
         with runtime.timed(times, "logprobs"):  # 5. old (and reference) logprobs
-            seed = hash((cfg.run.seed, step)) % 2**31  # Clip-Cov's draw
-            b = old_logprobs(policy, ref, b, cfg, device, groups.first_group, seed)
+            b = old_logprobs(policy, ref, b, cfg, device, groups.first_group, step)
         with runtime.timed(times, "update"):  # 6. loss -> backward -> clip -> AdamW, per minibatch
             upd = update_policy(policy, opt, sched, b, cfg, device, groups.first_group)
         peak_gib = runtime.peak_memory_gib(device, engine.device_bytes)
@@ -467,7 +467,7 @@ def n_minibatches(cfg: Config) -> int:
 
 
 def old_logprobs(
-    policy, ref, b: Batch, cfg: Config, device, first_group: int = 0, seed: int = 0
+    policy, ref, b: Batch, cfg: Config, device, first_group: int = 0, step: int = 0
 ) -> Batch:
     """Step 5: b with the trainer's logprobs of the sampled tokens before the update (old_logp, [N,
     T]) and the frozen start model's (ref_logp, [N, T], for the KL term), each a no-grad pass over
@@ -475,7 +475,7 @@ def old_logprobs(
     the base, which is the start model. With --top-entropy-quantile < 1 the policy's pass also
     gives the old entropy, and b.top marks each minibatch's high-entropy tokens (high_entropy;
     first_group: Groups.first_group). With --pg clip_cov or kl_cov it gives the logprobs b.picked
-    is chosen by (covariance_picks; seed: Clip-Cov's draw).
+    is chosen by (covariance_picks; Clip-Cov draws from a stream of the step's own).
 
     With one minibatch old_logp stays None and costs no pass: the policy has not moved before its
     only update, so the update's own forward, detached, gives the old logprobs (update_policy); the
@@ -496,7 +496,7 @@ def old_logprobs(
     if top:
         b = replace(b, top=high_entropy(b, old[1], cfg, first_group))
     if cov:
-        b = replace(b, picked=covariance_picks(b, old[0], cfg, first_group, seed))
+        b = replace(b, picked=covariance_picks(b, old[0], cfg, first_group, step))
     if ref is None:
         return b
     with lora.adapters_off(ref.lm):  # a no-op for a frozen copy, which has no adapters
@@ -504,27 +504,19 @@ def old_logprobs(
 
 
 def covariance_picks(
-    b: Batch, logp: torch.Tensor, cfg: Config, first_group: int, seed: int
+    b: Batch, logp: torch.Tensor, cfg: Config, first_group: int, step: int
 ) -> torch.Tensor:
     """[N, T] 1 on the tokens Clip-Cov clips or KL-Cov penalizes in each minibatch
-    (grpo.covariance_tokens), chosen over the minibatch's loss tokens on every rank with the old
-    policy's logprobs (logp [N, T]): rank 0 gathers them in the step's row order, picks (Clip-Cov's
-    draw from a generator seeded by `seed`) and sends each rank its own, so that the picks are the
-    same at any world size and micro-batching. verl picks in each micro-batch with the current
-    policy's logprobs: the same picks with one micro-batch and one minibatch. A collective."""
-    picked, g = torch.zeros_like(logp), torch.Generator().manual_seed(seed)
-    for rows in batch.minibatches(len(b.rows), n_minibatches(cfg), cfg.group_size, first_group):
-        m = b.loss_mask[rows].bool()  # [n, T]
-        mine = torch.stack([b.advantages[rows, None].expand(m.shape)[m], logp[rows][m]])  # [2, k]
-        parts = distributed.gather_to_main(mine)  # rank 0: in rank order, the step's row order
-        every = torch.cat(parts or [mine], 1)
-        chosen = grpo.covariance_tokens(every[0], every[1], cfg.loss, g)
-        chosen, sizes = distributed.from_main((chosen, [p.shape[1] for p in parts]))
-        at = sum(sizes[: distributed.rank()])
-        here = torch.zeros(m.shape, dtype=logp.dtype)
-        here[m] = chosen[at : at + int(m.sum())].to(logp.dtype)
-        picked[rows] = here
-    return picked
+    (grpo.covariance_tokens; Clip-Cov's draw from a generator seeded by the run's seed and the
+    step), chosen over the
+    minibatch's loss tokens on every rank with the old policy's logprobs (logp [N, T]). verl picks
+    in each micro-batch with the current policy's: the same picks with one micro-batch and one
+    minibatch. A collective."""
+    g = torch.Generator().manual_seed(hash((cfg.run.seed, step)) % 2**31)
+    A = b.advantages[:, None].expand(logp.shape).to(logp.dtype)
+    return pick_tokens(
+        b, [A, logp], cfg, first_group, lambda v: grpo.covariance_tokens(*v, cfg.loss, g)
+    )
 
 
 def high_entropy(b: Batch, entropy: torch.Tensor, cfg: Config, first_group: int) -> torch.Tensor:
@@ -534,14 +526,33 @@ def high_entropy(b: Batch, entropy: torch.Tensor, cfg: Config, first_group: int)
     over every rank. TRL counts every token of a micro-batch; here the tokens whose loss term can be
     non-zero (A != 0), so that skipping stays exact and the quantile is the same at any world size
     and micro-batching. A collective."""
-    top = torch.zeros_like(entropy)
-    for rows in batch.minibatches(len(b.rows), n_minibatches(cfg), cfg.group_size, first_group):
-        counted = b.loss_mask[rows].bool() & (b.advantages[rows] != 0)[:, None]  # [n, T]
-        every = torch.cat(distributed.gather_to_main(entropy[rows][counted]) or [torch.zeros(0)])
+
+    def choose(v):  # [2, M]: each loss token's entropy, and whether its advantage is not 0
+        counted = v[0][v[1] > 0].double()
         q = 1 - cfg.loss.top_entropy_quantile
-        at = float(torch.quantile(every.double(), q)) if every.numel() else math.inf
-        top[rows] = (entropy[rows] >= distributed.from_main(at)).to(top.dtype)
-    return top
+        return v[0] >= (torch.quantile(counted, q) if counted.numel() else math.inf)
+
+    nonzero = (b.advantages != 0)[:, None].expand(entropy.shape).to(entropy.dtype)
+    return pick_tokens(b, [entropy, nonzero], cfg, first_group, choose)
+
+
+def pick_tokens(b: Batch, values: list, cfg: Config, first_group: int, choose) -> torch.Tensor:
+    """[N, T] 1 on the loss tokens `choose` picks in each minibatch: rank 0 gathers their values
+    (each of `values` [N, T]) from every rank, in the step's row order (ranks hold consecutive
+    groups), choose([k, M]) gives a bool [M], and each rank gets its own part back: the same picks
+    at any world size and micro-batching. A collective."""
+    out = torch.zeros(b.loss_mask.shape, dtype=values[-1].dtype)
+    for rows in batch.minibatches(len(b.rows), n_minibatches(cfg), cfg.group_size, first_group):
+        m = b.loss_mask[rows].bool()  # [n, T]
+        mine = torch.stack([v[rows][m] for v in values])  # [k, this rank's M]
+        parts = distributed.gather_to_main(mine)
+        chosen = choose(torch.cat(parts or [mine], 1))
+        chosen, sizes = distributed.from_main((chosen, [p.shape[1] for p in parts]))
+        at = sum(sizes[: distributed.rank()])
+        here = out[rows]
+        here[m] = chosen[at : at + int(m.sum())].to(out.dtype)
+        out[rows] = here
+    return out
 
 
 @dataclass

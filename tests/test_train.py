@@ -576,4 +576,4 @@ def test_high_entropy_tokens_are_trls_and_the_top_q_of_the_counted_tokens(q):
     counted = [e for row, m in zip(TRL_ENT, b.loss_mask[:3].tolist()) for e, k in zip(row, m) if k]
     at = ref_quantile(counted, 1 - q)
     assert got[:3].int().mul(b.loss_mask[:3].int()).tolist() == TRL_TOP[q]
-    assert got[:3].tolist() == (ent >= at).float().tolist()
+    assert got[:3].tolist() == ((ent >= at).float() * b.loss_mask[:3]).tolist()
