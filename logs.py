@@ -6,9 +6,7 @@ to TensorBoard or W&B when asked; both are optional installs); on resume it keep
 the checkpoint's step, so the file reads as one uninterrupted run. plot() draws the curves that
 matter (reward, held-out accuracy, response length, KL, clip fraction, step time) from any run
 folder: `python logs.py runs/<run>` writes runs/<run>/curves.png and prints the held-out evaluations
-as a table (heldout_table). compare() puts several runs' held-out curves side by side, against steps
-and against wall-clock minutes: `python logs.py --compare OUT.png RUN RUN ...` (the same seeded run
-with and without a change that should cost less time and nothing else).
+as a table (heldout_table). Runs side by side, over seeds: tools/experiments.py.
 
 step_metrics makes a GRPO step's row: this rank's sums, summed over every rank, then the means
 NeMo-RL logs under the same names.
@@ -144,27 +142,6 @@ def plot(run: Path) -> Path:
     return save_png(fig, Path(run) / "curves.png")
 
 
-def compare(runs: list[Path], out: Path) -> Path:
-    """Draw `out`: each run's held-out pass@1 against its step and against the minutes since it
-    started (`elapsed`), labelled with its folder's name."""
-    fig = Figure(figsize=(11, 4))
-    by_step, by_time = fig.subplots(1, 2)
-    for run in runs:
-        rows = [r for r in read_metrics(Path(run) / "metrics.jsonl") if "heldout_pass1" in r]
-        label = Path(run).name
-        by_step.plot(
-            [r["step"] for r in rows], [r["heldout_pass1"] for r in rows], "o-", label=label
-        )
-        minutes = [r.get("elapsed", 0.0) / 60 for r in rows]
-        by_time.plot(minutes, [r["heldout_pass1"] for r in rows], "o-", label=label)
-    for ax, x in ((by_step, "step"), (by_time, "minutes (elapsed)")):
-        ax.set_xlabel(x)
-        ax.set_ylabel("held-out pass@1")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    return save_png(fig, Path(out))
-
-
 def save_png(fig: Figure, out: Path) -> Path:
     """Writes the figure to `out` aside and renames it into place: a PNG is whole or absent."""
     fig.tight_layout()
@@ -192,31 +169,11 @@ def heldout_table(rows: list[dict]) -> str:
     return "\n".join(lines) if len(lines) > 2 else "no held-out evaluations in this run"
 
 
-USAGE = """usage: python logs.py RUN_FOLDER              curves.png in the run, the held-out table
-       python logs.py --compare OUT.png RUN ...  held-out pass@1 of the runs against steps and
-                                                 against wall-clock minutes"""
-
-
 def main(argv: list[str]) -> None:
     if argv[:1] in (["--help"], ["-h"]):
-        print(USAGE)
+        print(__doc__)
         return
-    if argv[:1] == ["--compare"]:
-        check([(len(argv) >= 3, "usage: python logs.py --compare OUT.png RUN_FOLDER ...")])
-        out, runs = Path(argv[1]), [Path(a) for a in argv[2:]]
-        check(
-            [
-                (
-                    bool(read_metrics(r / "metrics.jsonl")),
-                    f"{r}: no metrics.jsonl with a readable row",
-                )
-                for r in runs
-            ]  # fmt: skip
-            + [(writable(out.parent), f"{out}: cannot be written")]
-        )
-        print(compare(runs, out))
-        return
-    check([(len(argv) == 1, "usage: python logs.py RUN_FOLDER (or --compare OUT.png RUN ...)")])
+    check([(len(argv) == 1, "usage: python logs.py RUN_FOLDER: its curves.png and held-out table")])
     run = Path(argv[0])
     check(
         [

@@ -182,19 +182,15 @@ def test_one_update_is_minus_the_gradient_of_the_whole_batchs_objective(
     assert upd.loss.loss == pytest.approx(float(want), rel=1e-9, abs=1e-12)
 
 
-def test_logs_compare_draws_runs_against_steps_and_minutes(tmp_path):
+def test_logs_draws_a_runs_curves_and_prints_its_heldout_table(tmp_path, capsys):
     import logs
 
-    runs = []
-    for name, minutes in (("skip", 1.0), ("full", 2.0)):
-        (tmp_path / name).mkdir()
-        rows = [dict(step=s, heldout_pass1=0.1 * s, elapsed=60 * minutes * s) for s in (0, 4, 8)]
-        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        runs.append(str(tmp_path / name))
-    logs.main(["--compare", str(tmp_path / "c.png"), *runs])
-    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(UserError, match="nope: no metrics.jsonl"):
-        logs.main(["--compare", str(tmp_path / "c.png"), str(tmp_path / "nope")])
+    rows = [dict(step=s, heldout_pass1=0.1 * s, elapsed=60.0 * s) for s in (0, 4, 8)]
+    rows[1] |= dict(reward_mean=0.5, response_len_mean=7.0)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    logs.main([str(tmp_path)])
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| 8 | 0.800 | nan | 8.0 |" in capsys.readouterr().out
 
 
 def test_micro_batches_cover_every_row_once_within_budget():
