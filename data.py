@@ -51,14 +51,15 @@ def read_rows(path: str):
     p = Path(path)
     if p.suffix and not p.exists():
         raise DataError(f"{path}: no such file")
-    # utf-8-sig: a byte-order mark, as some editors save, is read as nothing; CRLF line ends are
-    # read as LF
-    if p.suffix == ".jsonl":
+    if p.suffix in (".jsonl", ".json"):
+        # utf-8-sig: a byte-order mark, as some editors save, is read as nothing; CRLF line ends
+        # are read as LF
         try:
-            lines = p.read_text(encoding="utf-8-sig").splitlines()
+            text = p.read_text(encoding="utf-8-sig")
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text (byte {e.start})")
-        for i, line in enumerate(lines, 1):
+    if p.suffix == ".jsonl":
+        for i, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     yield i, json.loads(line)
@@ -66,9 +67,7 @@ def read_rows(path: str):
                     raise DataError(f"{path}: row {i}: not valid JSON ({e.msg})")
     elif p.suffix == ".json":
         try:
-            rows = json.loads(p.read_text(encoding="utf-8-sig"))
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not UTF-8 text (byte {e.start})")
+            rows = json.loads(text)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})")
         if not isinstance(rows, list):

@@ -144,15 +144,6 @@ class LossConfig:
     is_min: float = 0.0
 
 
-def flag(option: str, value) -> str:
-    """How the command line spells a LossConfig option and its value: ("eps_high", 0.28) ->
-    "--eps-high 0.28", ("token_level", False) -> "--no-token-level"."""
-    name = option.replace("_", "-")
-    if isinstance(value, bool):
-        return f"--{name}" if value else f"--no-{name}"
-    return f"--{name} {value}"
-
-
 def config_error(cfg: LossConfig) -> str:
     """Why a combination of options is not a loss NeMo-RL defines, in one line that names the flags
     ('' when it is one): a value that is none of its option's choices, then the combinations that
@@ -160,7 +151,7 @@ def config_error(cfg: LossConfig) -> str:
     for f in fields(cfg):
         value, choices = getattr(cfg, f.name), get_args(f.type)
         if choices and value not in choices:
-            return f"{flag(f.name, value)}: unknown (use {', '.join(choices)})"
+            return f"--{f.name.replace('_', '-')} {value}: unknown (use {', '.join(choices)})"
     if cfg.adv_estimator == "grpo_passk" and (cfg.leave_one_out or cfg.adv_scale == "batch"):
         return (
             "--adv-estimator grpo_passk: has no leave-one-out baseline and scales by the group "
@@ -171,7 +162,7 @@ def config_error(cfg: LossConfig) -> str:
     if not 0 < cfg.top_entropy_quantile <= 1:
         return f"--top-entropy-quantile {cfg.top_entropy_quantile}: must be in (0, 1]"
     if cfg.dual_clip and cfg.dual_clip <= 1:
-        return f"{flag('dual_clip', cfg.dual_clip)}: must be 0 (off) or > 1"
+        return f"--dual-clip {cfg.dual_clip}: must be 0 (off) or > 1"
     if cfg.pg == "gspo" and cfg.token_level:
         return (
             "--pg gspo: GSPO's ratio is per sequence, so its loss is sequence-level: "
