@@ -779,7 +779,8 @@ def plot(path: Path, variants: list[tuple[str, str]], done: list[Run], title: st
     for a in (ax, bx, cx):
         a.set_xlabel("GRPO step")
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     logs.save_png(fig, path)
 
