@@ -83,10 +83,6 @@ class DPOConfig:
     evaluation, checkpoints, logging"""
 
 
-def parse_args(argv: list[str]) -> DPOConfig:
-    return runtime.cli(DPOConfig, {}, argv)
-
-
 # ----------------------------------------------------------------------------------------------
 # The loss
 
@@ -157,13 +153,6 @@ def dpo_loss(
         pol_rejected.detach(),
     )
     return loss, metrics
-
-
-def sequence_logps(token_logp: torch.Tensor, resp_len: torch.Tensor, average: bool) -> torch.Tensor:
-    """log pi(y|x) [B] from per-token logprobs [B, T] (zero past each response's end): the sum, or
-    the mean (IPO)."""
-    s = token_logp.sum(-1)  # [B]
-    return s / resp_len.clamp(min=1).to(s.dtype) if average else s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,8 +276,7 @@ def encode_pairs(tok, rows: list[PrefRow], max_seq_len: int, what: str) -> list[
     if len(keep) < len(pairs):
         distributed.print0(
             f"dropped {len(pairs) - len(keep)} of {len(pairs)} {what} pairs longer than "
-            f"{max_seq_len} tokens "
-            f"(--max-seq-len)"
+            f"{max_seq_len} tokens (--max-seq-len)"
         )
     if pairs and not keep:
         raise UserError(
@@ -310,53 +298,39 @@ def load_preferences(cfg: DPOConfig) -> tuple[list[PrefRow], list[PrefRow], list
         # the held-out pairs' wrong answers from a stream of their own (seed + 1), not the training
         # pairs' again
         return pairs(train_set, run.seed), pairs(heldout, run.seed + 1), heldout
-    rows = load_pairs(run.data, cfg.prompt_field, cfg.chosen_field, cfg.rejected_field)
+    names = cfg.prompt_field, cfg.chosen_field, cfg.rejected_field
+    rows = load_pairs(run.data, *names)
     if run.val_data:
-        return (
-            rows,
-            load_pairs(run.val_data, cfg.prompt_field, cfg.chosen_field, cfg.rejected_field),
-            [],
-        )
-    train_rows, heldout_rows = data.split(rows, run.val_fraction, run.seed)
-    return train_rows, heldout_rows, []
+        return rows, load_pairs(run.val_data, *names), []
+    return *data.split(rows, run.val_fraction, run.seed), []
 
 
 # ----------------------------------------------------------------------------------------------
 # One update
 
 
-def pack(pairs: list[Pair], pad_id: int, device) -> dict:
-    """Rows [2n, L] on `device`: the n chosen rows, then the n rejected ones, right-padded (one
-    forward for both)."""
+def pair_logps(
+    m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(y_c|x), log pi(y_r|x): each [n], summed over response tokens (averaged for IPO), from
+    one forward over rows [2n, L]: the n chosen rows, then the n rejected ones, right-padded."""
     seqs = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
     resp = [len(p.chosen) for p in pairs] + [len(p.rejected) for p in pairs]
     ids, am = batch.pad(seqs, pad_id)  # [2n, L] each
     start = torch.tensor([len(p.prompt) for p in pairs] * 2)  # [2n]
-    return dict(
-        input_ids=ids.to(device),
-        attention_mask=am.to(device),
-        resp_start=start.to(device),
-        resp_len=torch.tensor(resp).to(device),
-        T=max(resp),
-    )
-
-
-def pair_logps(
-    m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int, grad: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(y_c|x), log pi(y_r|x): each [n], summed over response tokens (averaged for IPO)."""
-    b = pack(pairs, pad_id, device)
     with torch.set_grad_enabled(grad), runtime.autocast(cfg.run, device):
-        # [2n, T]
+        # [2n, T], zero past each response's end
         lp, _ = m(
-            b["input_ids"],
-            b["attention_mask"],
-            b["resp_start"],
-            b["T"],
+            ids.to(device),
+            am.to(device),
+            start.to(device),
+            max(resp),
             1.0,
             cfg.run.logprob_chunk_tokens,
         )
-    s = sequence_logps(lp, b["resp_len"], average=cfg.loss == "ipo")  # [2n]
+    s = lp.sum(-1)  # [2n]
+    if cfg.loss == "ipo":  # the mean over response tokens
+        s = s / torch.tensor(resp).to(device).clamp(min=1).to(s.dtype)
     return s[: len(pairs)], s[len(pairs) :]
 
 
@@ -393,8 +367,7 @@ def update(
     sums = PairMetrics()
     micro = pair_micro_batches(pairs, cfg.run.micro_batch_tokens)
     for k, (_, mb) in enumerate(micro):
-        with torch.no_grad():
-            ref_c, ref_r = pair_logps(ref, mb, cfg, device, pad_id, grad=False)  # [n], [n]
+        ref_c, ref_r = pair_logps(ref, mb, cfg, device, pad_id, grad=False)  # [n], [n]
         pol_c, pol_r = pair_logps(policy, mb, cfg, device, pad_id, grad=True)  # [n], [n]
         # [n] each
         loss, metrics = dpo_loss(
@@ -521,9 +494,7 @@ def train_dpo(cfg: DPOConfig) -> dict:
     path = model.resolve(cfg.run.model)
     tok = model.load_tokenizer(path, cfg.run.trust_remote_code)
     train_pairs = encode_pairs(tok, train_rows, cfg.max_seq_len, "training")
-    heldout_pairs = (
-        encode_pairs(tok, heldout_rows, cfg.max_seq_len, "held-out") if heldout_rows else []
-    )
+    heldout_pairs = encode_pairs(tok, heldout_rows, cfg.max_seq_len, "held-out")
     check(
         [
             (
@@ -599,7 +570,11 @@ def train_dpo(cfg: DPOConfig) -> dict:
 
 def main(argv: list[str]) -> None:
     one_line_errors(
-        lambda: export_hf(argv, "dpo.py") if argv[:1] == ["export"] else train_dpo(parse_args(argv))
+        lambda: (
+            export_hf(argv, "dpo.py")
+            if argv[:1] == ["export"]
+            else train_dpo(runtime.cli(DPOConfig, {}, argv))
+        )
     )
 
 
