@@ -534,7 +534,7 @@ def same_training_set(ckpt: Path, cfg, train_set: str) -> None:
     """UserError when the checkpoint was saved over another training set than `train_set`: its
     prompt stream would draw other problems (or indices past the end), naming the DATA_FLAGS whose
     values differ from the checkpoint's config. A checkpoint that recorded none passes."""
-    meta = json.loads((ckpt / "meta.json").read_text())
+    meta = checkpoint.read_meta(ckpt)
     if meta.get("train_set", train_set) == train_set:
         return
 
