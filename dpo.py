@@ -143,7 +143,7 @@ def dpo_loss(
         raise ValueError(f"unknown preference loss {kind!r}: use dpo or ipo")
     r_c = beta * (pol_chosen - ref_chosen).detach()  # [B]
     r_r = beta * (pol_rejected - ref_rejected).detach()  # [B]
-    metrics = PairMetrics(
+    return loss, PairMetrics(
         loss.detach(),
         r_c,
         r_r,
@@ -152,7 +152,6 @@ def dpo_loss(
         pol_chosen.detach(),
         pol_rejected.detach(),
     )
-    return loss, metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +212,7 @@ def load_pairs(
                 f"{where}: expected an object with fields {prompt_field!r}, {chosen_field!r} and "
                 f"{rejected_field!r}"
             )
-        vals = {}
+        vals = []  # prompt, chosen, rejected
         for key in (prompt_field, chosen_field, rejected_field):
             if key not in row:
                 raise data.DataError(
@@ -222,14 +221,11 @@ def load_pairs(
             v = row[key]
             if isinstance(v, (list, tuple)) and v:
                 msgs = _messages(v, where, key)
-                if key != prompt_field:
-                    if msgs[-1][0] != "assistant":
-                        raise data.DataError(
-                            f"{where}: the last message of {key!r} is not the assistant's"
-                        )
-                    v = msgs[-1][1]
-                else:
-                    v = msgs
+                if key != prompt_field and msgs[-1][0] != "assistant":
+                    raise data.DataError(
+                        f"{where}: the last message of {key!r} is not the assistant's"
+                    )
+                v = msgs if key == prompt_field else msgs[-1][1]
             elif not isinstance(v, str):
                 raise data.DataError(
                     f"{where}: {key!r} must be a string or a list of chat messages, "
@@ -237,8 +233,8 @@ def load_pairs(
                 )
             if isinstance(v, str) and not v.strip():
                 raise data.DataError(f"{where}: empty {key!r}")
-            vals[key] = v
-        rows.append(PrefRow(vals[prompt_field], vals[chosen_field], vals[rejected_field]))
+            vals.append(v)
+        rows.append(PrefRow(*vals))
     if not rows:
         raise data.DataError(f"{path}: no preference pairs")
     return rows
@@ -257,9 +253,7 @@ def encode_pairs(tok, rows: list[PrefRow], max_seq_len: int, what: str) -> list[
             else [{"role": role, "content": c} for role, c in r.prompt]
         )
         if tok.chat_template:
-            prompt = tok.apply_chat_template(
-                msgs, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
         elif isinstance(r.prompt, str):
             prompt = tok(r.prompt)["input_ids"]
         else:
@@ -394,8 +388,8 @@ def eval_logps(m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int) -> tor
     same passes)."""
     out = torch.zeros(len(pairs), 2, dtype=torch.float64)
     for rows, mb in pair_micro_batches(pairs, cfg.run.micro_batch_tokens):
-        c, r = pair_logps(m, mb, cfg, device, pad_id, grad=False)
-        out[rows] = torch.stack([c, r], 1).double().cpu()  # a stand-in's rows are none
+        lp = pair_logps(m, mb, cfg, device, pad_id, grad=False)  # chosen [n], rejected [n]
+        out[rows] = torch.stack(lp, 1).double().cpu()  # a stand-in's rows are none
     return out
 
 
@@ -409,7 +403,8 @@ def evaluate_pairs(
                          (DPO's "accuracy"; 0 at step 0, when every margin is 0),
     heldout_margin     = mean implicit reward margin."""
     lp = eval_logps(policy, pairs, cfg, device, pad_id)  # [n, 2]
-    margin = cfg.beta * ((lp[:, 0] - ref_lp[:, 0]) - (lp[:, 1] - ref_lp[:, 1]))  # [n]
+    d = lp - ref_lp  # [n, 2] log pi - log pi_ref of (chosen, rejected)
+    margin = cfg.beta * (d[:, 0] - d[:, 1])  # [n]
     tot = distributed.all_reduce_sum(
         torch.tensor(
             [
@@ -528,8 +523,9 @@ def train_dpo(cfg: DPOConfig) -> dict:
     def evaluate(step: int) -> dict:
         row = evaluate_pairs(policy, ref_heldout, my_heldout, cfg, device, tok.pad_token_id)
         if engine is not None:  # fresh samples at every evaluation
-            seed = cfg.run.seed + step
-            row.update(evaluate_task(engine, policy, tok, cfg, heldout_problems, seed=seed))
+            row.update(
+                evaluate_task(engine, policy, tok, cfg, heldout_problems, cfg.run.seed + step)
+            )
         return row
 
     # the run folder, metrics.jsonl, Ctrl-C (only a command-line run owns the process's Ctrl-C)
