@@ -65,11 +65,12 @@ def import_function(spec: str):
     path, name = parse_spec(spec)
     module_spec = importlib.util.spec_from_file_location(f"user_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
-    sys.path.insert(0, str(path.parent.absolute()))  # the file may import its neighbours
+    folder = str(path.parent.absolute())
+    sys.path.insert(0, folder)  # the file may import its neighbours
     try:
         module_spec.loader.exec_module(module)
     finally:
-        sys.path.remove(str(path.parent.absolute()))
+        sys.path.remove(folder)
     return getattr(module, name, None)
 
 
@@ -138,11 +139,7 @@ class Guarded:
             self._stop()
             return self._fail("timed out", f"ran past --reward-timeout-s {self.timeout_s}")
         # the worker died (os._exit, a crash) or broke the protocol
-        except (
-            OSError,
-            EOFError,
-            ValueError,
-        ) as e:
+        except (OSError, EOFError, ValueError) as e:
             code = self._stop()
             return self._fail("raised", f"lost its process ({_one_line(e)}; exit status {code})")
         if "error" in reply:
@@ -230,9 +227,9 @@ class Guarded:
         return 0.0
 
 
-def load(spec: str, timeout_s: float = 1.0) -> Guarded:
-    """The guarded reward of a --reward value (checks(spec) first: it has none of their errors)."""
-    return Guarded(spec, timeout_s)
+# load(spec, timeout_s): the guarded reward of a --reward value (checks(spec) first: it has none of
+# their errors)
+load = Guarded
 
 
 def serve(spec: str) -> None:
