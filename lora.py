@@ -87,9 +87,7 @@ def _peft_config(a: Adapters):
         r=a.lora_rank,
         lora_alpha=a.lora_alpha,
         target_modules=targets,
-        lora_dropout=0.0,
-        bias="none",
-        task_type="CAUSAL_LM",
+        task_type="CAUSAL_LM",  # peft's defaults: no dropout, no bias trained
     )
 
 
@@ -161,8 +159,7 @@ def wrap(lm: torch.nn.Module, a: Adapters) -> torch.nn.Module:
     from peft import get_peft_model
 
     dtype = next(lm.parameters()).dtype
-    peft_lm = get_peft_model(lm, _peft_config(a), autocast_adapter_dtype=False)
-    return peft_lm.to(dtype)
+    return get_peft_model(lm, _peft_config(a), autocast_adapter_dtype=False).to(dtype)
 
 
 def is_lora(lm: torch.nn.Module) -> bool:
