@@ -183,16 +183,6 @@ class Pair:
         return len(self.prompt) + max(len(self.chosen), len(self.rejected))
 
 
-def _messages(value, where: str, field: str) -> tuple:
-    if not all(
-        isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in value
-    ):
-        raise data.DataError(
-            f"{where}: {field!r} is a list, but not of chat messages with 'role' and 'content'"
-        )
-    return tuple((m["role"], m["content"]) for m in value)
-
-
 def load_pairs(
     path: str,
     prompt_field: str = "prompt",
@@ -220,7 +210,15 @@ def load_pairs(
                 )
             v = row[key]
             if isinstance(v, (list, tuple)) and v:
-                msgs = _messages(v, where, key)
+                if not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m
+                    for m in v
+                ):
+                    raise data.DataError(
+                        f"{where}: {key!r} is a list, but not of chat messages with 'role' and "
+                        "'content'"
+                    )
+                msgs = tuple((m["role"], m["content"]) for m in v)
                 if key != prompt_field and msgs[-1][0] != "assistant":
                     raise data.DataError(
                         f"{where}: the last message of {key!r} is not the assistant's"
@@ -262,10 +260,10 @@ def encode_pairs(tok, rows: list[PrefRow], max_seq_len: int, what: str) -> list[
                 "but the tokenizer has no chat template"
             )
         resp = [
-            tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            tuple(tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
             for t in (r.chosen, r.rejected)
         ]
-        pairs.append(Pair(tuple(prompt), tuple(resp[0]), tuple(resp[1])))
+        pairs.append(Pair(tuple(prompt), *resp))
     keep = [p for p in pairs if p.length <= max_seq_len]
     if len(keep) < len(pairs):
         distributed.print0(
@@ -425,26 +423,6 @@ def evaluate_pairs(
     }
 
 
-def evaluate_task(
-    engine, policy, tok, cfg: DPOConfig, problems: list[data.Problem], seed: int
-) -> dict:
-    """The sum3 demo only: held-out greedy accuracy and pass@1, exactly as GRPO's demo measures
-    them, with the policy's current weights loaded into an HF-generate engine."""
-    engine.load_weights(model.hf_weights(policy.lm))
-    prompts = [tok(p.prompt)["input_ids"] for p in problems]
-    return eval_aime.heldout_accuracy(
-        engine,
-        tok,
-        prompts,
-        [p.answer for p in problems],
-        reward.exact_reward,
-        cfg.run.eval_samples,
-        cfg.max_new_tokens,
-        1.0,
-        seed,
-    )
-
-
 # ----------------------------------------------------------------------------------------------
 # The loop
 
@@ -522,9 +500,21 @@ def train_dpo(cfg: DPOConfig) -> dict:
 
     def evaluate(step: int) -> dict:
         row = evaluate_pairs(policy, ref_heldout, my_heldout, cfg, device, tok.pad_token_id)
-        if engine is not None:  # fresh samples at every evaluation
-            row.update(
-                evaluate_task(engine, policy, tok, cfg, heldout_problems, cfg.run.seed + step)
+        # the sum3 demo only: held-out greedy accuracy and pass@1, exactly as GRPO's demo measures
+        # them, with the policy's current weights loaded into the HF-generate engine and fresh
+        # samples at every evaluation
+        if engine is not None:
+            engine.load_weights(model.hf_weights(policy.lm))
+            row |= eval_aime.heldout_accuracy(
+                engine,
+                tok,
+                [tok(p.prompt)["input_ids"] for p in heldout_problems],
+                [p.answer for p in heldout_problems],
+                reward.exact_reward,
+                cfg.run.eval_samples,
+                cfg.max_new_tokens,
+                1.0,
+                cfg.run.seed + step,
             )
         return row
 
