@@ -397,7 +397,7 @@ class Run:
         if resumed is None:
             if self.log_file:
                 (self.out / "config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
-                self.log_file.start(keep_until=None)
+                self.log_file.start(None)  # a fresh file
             return 0
         ckpt, start = resumed
         same_training_set(ckpt, self.cfg, train_set)
