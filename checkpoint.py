@@ -36,9 +36,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
     set_state_dict,
 )
 
@@ -254,24 +252,21 @@ def load(path: Path, policy, opt) -> tuple[dict, dict]:
     one-process save of plain tensors into FSDP2's shards and back; tests/test_distributed_runs.py
     checks every tensor). A rank the saved run did not have reads rank 0's file, whose schedule and
     data order are every rank's, without its torch RNG (resume seeds that rank afresh)."""
-    if opt is None:
-        state = {"model": get_model_state_dict(policy, options=SAVED)}
-        _dcp(dcp.load, state, path)
-        loaded(set_model_state_dict(policy, state["model"], options=LOADED), policy)
-    else:
-        model_sd, optim_sd = get_state_dict(policy, opt, options=SAVED)
-        state = {"model": model_sd, "optim": optim_sd}
-        _dcp(dcp.load, state, path)
-        loaded(
-            set_state_dict(
-                policy,
-                opt,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optim"],
-                options=LOADED,
-            ),
+    # no optimizer (export_hf): no optimizers, whose state is {}, so only the model's is read
+    opts = () if opt is None else opt
+    model_sd, optim_sd = get_state_dict(policy, opts, options=SAVED)
+    state = {"model": model_sd, "optim": optim_sd}
+    _dcp(dcp.load, state, path)
+    loaded(
+        set_state_dict(
             policy,
-        )
+            opts,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=LOADED,
+        ),
+        policy,
+    )
     meta = read_meta(path)
     own = distributed.rank() < meta.get("world", 1)
     name = f"rank{distributed.rank() if own else 0}.pt"
