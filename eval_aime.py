@@ -335,7 +335,7 @@ def main(cfg: EvalConfig, engine=None) -> dict:
         f"{summary[f'pass@{cfg.k}']:.4f}\n"
         f"mean response {summary['mean_response_tokens']:.0f} tokens, truncated "
         f"{summary['truncated_frac']:.3f}\n"
-        + (f"reward errors (scored 0): {failed}\n" if "reward_errors" in summary else "")
+        + (f"reward errors (scored 0): {failed}\n" if custom else "")
         + f"samples in {out}"
     )
     summary_file = out.with_suffix(".summary.json")

@@ -82,7 +82,7 @@ def checks(spec: str, timeout_s: float, flag: str = "--reward") -> list[tuple[bo
     path, name = parse_spec(spec)
     syntax = [
         (
-            ":" in spec and bool(name) and name.isidentifier(),
+            ":" in spec and name.isidentifier(),  # "" is no identifier
             f"{flag} {spec}: expected path/to/file.py:function (a function name after the last "
             "colon)",
         ),
@@ -236,7 +236,7 @@ def serve(spec: str) -> None:
     """The worker: one JSON line [response, gold] in, one JSON line out ({"value"}, {"error"} or
     {"repr"}), until stdin closes. Its stdout is kept for replies, so whatever the function prints
     goes to stderr."""
-    replies = os.fdopen(os.dup(1), "w")
+    replies = os.fdopen(os.dup(1), "w", buffering=1)  # line-buffered: each reply leaves at once
     os.dup2(2, 1)
     # Ctrl-C is the trainer's to handle: it stops the worker itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -254,7 +254,6 @@ def serve(spec: str) -> None:
     except BaseException as e:  # noqa: BLE001 every call then reports it
         fn, import_error = None, f"{_one_line(e)} (while importing the file)"
     replies.write('{"ready": true}\n')
-    replies.flush()
     for line in sys.stdin:
         if fn is None:
             reply = {"error": import_error}
@@ -272,7 +271,6 @@ def serve(spec: str) -> None:
             except BaseException as e:  # noqa: BLE001 SystemExit and KeyboardInterrupt included
                 reply = {"error": _one_line(e)}
         replies.write(json.dumps(reply) + "\n")
-        replies.flush()
 
 
 if __name__ == "__main__":
