@@ -323,7 +323,7 @@ def export_hf(argv: list[str], script: str) -> None:
     check(
         [(len(argv) == 3, f"usage: python {script} export RUN/checkpoints/step_NNNNNN OUT_FOLDER")]
     )
-    ckpt, out = Path(argv[1]), Path(argv[2])
+    ckpt, out = map(Path, argv[1:])
     check([(ckpt.is_dir(), f"{ckpt}: no such checkpoint folder")])
     why = problem(ckpt)
     check(

@@ -119,12 +119,11 @@ def target_checks(a: Adapters, path: str, trust_remote_code: bool = False, name:
             }
         )
     )  # what LoRA here can adapt
-    missing = [t for t in a.lora_targets if t != "all-linear" and not hits[t]]
-    if missing:
-        raise UserError(
-            f"--lora-targets {targets}: {name} has no module {missing[0]} (its linear layers: "
-            f"{linear})"
-        )
+    for t in a.lora_targets:
+        if t != "all-linear" and not hits[t]:
+            raise UserError(
+                f"--lora-targets {targets}: {name} has no module {t} (its linear layers: {linear})"
+            )
     # peft wraps embeddings too, but neither the refit nor the trainer's head would see those
     # adapters: merged knows lora_A / lora_B (an embedding's are lora_embedding_A / _B), and
     # model.py's logprobs read the head's weight directly, past peft's wrapper (its adapters would
