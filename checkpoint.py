@@ -30,16 +30,13 @@ import os
 import pickle
 import shutil
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
     set_state_dict,
 )
 
@@ -67,9 +64,7 @@ def save_step(
         stream_buf=stream.buf,
         torch_rng=torch.get_rng_state(),
     )
-    return write(
-        out / "checkpoints", step, policy, opt, meta, rank_state, keep=keep, replaced=replaced
-    )
+    return write(out / "checkpoints", step, policy, opt, meta, rank_state, keep, replaced)
 
 
 def resume(folder: Path, policy, opt, sched, stream) -> tuple[Path, int] | None:
@@ -119,11 +114,10 @@ def resume(folder: Path, policy, opt, sched, stream) -> tuple[Path, int] | None:
     if damaged:
         for bad, why in damaged:
             distributed.print0(f"checkpoint {bad} is damaged ({why})")
-        names = ", ".join(bad.name for bad, _ in damaged)
         raise UserError(
-            f"no readable checkpoint in {folder} ({names}, each named above with its damage), "
-            "all left as they are: repair or move them, or pass --no-resume to start over (its "
-            "first checkpoint replaces them)"
+            f"no readable checkpoint in {folder} ({', '.join(bad.name for bad, _ in damaged)}, "
+            "each named above with its damage), all left as they are: repair or move them, or pass "
+            "--no-resume to start over (its first checkpoint replaces them)"
         )
     return None
 
@@ -174,12 +168,17 @@ def saved(folder: Path) -> list[Path]:
     return sorted(p for p in Path(folder).glob("step_*") if p.name[5:].isdigit() and p.is_dir())
 
 
+def read_meta(ckpt: Path) -> dict:
+    """A checkpoint's meta.json: its step, world size, config and training set (write)."""
+    return json.loads((Path(ckpt) / "meta.json").read_text())
+
+
 def problem(path: Path) -> str | None:
     """Why the checkpoint folder cannot be resumed from (a few words), or None when all its files
     are there and its meta.json reads. The rank files checked are those of the world size that
     wrote it (meta.json's "world"), whatever the world size reading it (load)."""
     try:
-        meta = json.loads((Path(path) / "meta.json").read_text())
+        meta = read_meta(path)
     except FileNotFoundError:
         return "no meta.json"
     except ValueError:
@@ -217,12 +216,7 @@ def write(
         tmp.mkdir(parents=True)
     distributed.barrier()
     model_sd, optim_sd = get_state_dict(policy, opt, options=SAVED)
-    with _single_process_is_meant():
-        dcp.save(
-            {"model": model_sd, "optim": optim_sd},
-            checkpoint_id=str(tmp),
-            no_dist=not distributed.in_group(),
-        )
+    _dcp(dcp.save, {"model": model_sd, "optim": optim_sd}, tmp)
     torch.save(rank_state, tmp / f"rank{distributed.rank()}.pt")
     distributed.barrier()
     if distributed.is_main():
@@ -240,14 +234,14 @@ def write(
     return final
 
 
-@contextmanager
-def _single_process_is_meant():
-    """torch.distributed.checkpoint warns "torch.distributed is disabled ..." on every
-    single-process save and load, even when asked for one (no_dist=True): a line that tells a user
-    nothing."""
+def _dcp(op, state: dict, path: Path) -> None:
+    """dcp.save or dcp.load (`op`) of `state` at `path`, in one process without a group too
+    (no_dist). torch.distributed.checkpoint warns "torch.distributed is disabled ..." on every
+    single-process save and load, even when asked for one: a line that tells a user nothing, so it
+    is silenced."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+        op(state, checkpoint_id=str(path), no_dist=not distributed.in_group())
 
 
 def load(path: Path, policy, opt) -> tuple[dict, dict]:
@@ -258,27 +252,22 @@ def load(path: Path, policy, opt) -> tuple[dict, dict]:
     one-process save of plain tensors into FSDP2's shards and back; tests/test_distributed_runs.py
     checks every tensor). A rank the saved run did not have reads rank 0's file, whose schedule and
     data order are every rank's, without its torch RNG (resume seeds that rank afresh)."""
-    if opt is None:
-        state = {"model": get_model_state_dict(policy, options=SAVED)}
-        with _single_process_is_meant():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not distributed.in_group())
-        loaded(set_model_state_dict(policy, state["model"], options=LOADED), policy)
-    else:
-        model_sd, optim_sd = get_state_dict(policy, opt, options=SAVED)
-        state = {"model": model_sd, "optim": optim_sd}
-        with _single_process_is_meant():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not distributed.in_group())
-        loaded(
-            set_state_dict(
-                policy,
-                opt,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optim"],
-                options=LOADED,
-            ),
+    # no optimizer (export_hf): no optimizers, whose state is {}, so only the model's is read
+    opts = () if opt is None else opt
+    model_sd, optim_sd = get_state_dict(policy, opts, options=SAVED)
+    state = {"model": model_sd, "optim": optim_sd}
+    _dcp(dcp.load, state, path)
+    loaded(
+        set_state_dict(
             policy,
-        )
-    meta = json.loads((Path(path) / "meta.json").read_text())
+            opts,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=LOADED,
+        ),
+        policy,
+    )
+    meta = read_meta(path)
     own = distributed.rank() < meta.get("world", 1)
     name = f"rank{distributed.rank() if own else 0}.pt"
     # weights_only: tensors and plain Python types only; a pickle that would run code (a checkpoint
@@ -334,7 +323,7 @@ def export_hf(argv: list[str], script: str) -> None:
     check(
         [(len(argv) == 3, f"usage: python {script} export RUN/checkpoints/step_NNNNNN OUT_FOLDER")]
     )
-    ckpt, out = Path(argv[1]), Path(argv[2])
+    ckpt, out = map(Path, argv[1:])
     check([(ckpt.is_dir(), f"{ckpt}: no such checkpoint folder")])
     why = problem(ckpt)
     check(
@@ -343,17 +332,18 @@ def export_hf(argv: list[str], script: str) -> None:
             (writable(out.parent), f"{out}: cannot be written"),
         ]
     )
-    meta = json.loads((ckpt / "meta.json").read_text())
+    meta = read_meta(ckpt)
+    config = meta["config"]
     # the flags every run has (runtime.RunConfig); checkpoints written before they were grouped kept
     # them flat
-    run = meta["config"].get("run", meta["config"])
+    run = config.get("run", config)
     # GRPO's --init-from, else --model
-    path = meta["config"].get("init_from") or model.resolve(run["model"])
+    path = config.get("init_from") or model.resolve(run["model"])
     adapters = lora.Adapters(
         **{
             k: tuple(v) if isinstance(v, list) else v
             # GRPO's --lora-*
-            for k, v in meta["config"].get("lora", {}).items()
+            for k, v in config.get("lora", {}).items()
         }
     )
     policy = model.load_trainable(

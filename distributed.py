@@ -118,7 +118,7 @@ def reuse_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
-    ok = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+    ok = bool(libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, -1))
     _LIBC = libc if ok else None
     if ok:
         _HEAP_AT_TRIM = libc.mallinfo2().arena
@@ -171,7 +171,7 @@ def print0(*args, **kwargs) -> None:
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place; a no-op for one process."""
     if _OURS:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t)  # its default op: SUM
     return t
 
 
@@ -362,7 +362,7 @@ def from_main(obj):
     if not _OURS:
         return obj
     out = [obj]
-    dist.broadcast_object_list(out, src=0)
+    dist.broadcast_object_list(out)  # from rank 0, its default source
     return out[0]
 
 
@@ -372,5 +372,5 @@ def gather_to_main(obj) -> list:
     if not _OURS:
         return [obj]
     out = [None] * world_size() if is_main() else None
-    dist.gather_object(obj, out, dst=0)
+    dist.gather_object(obj, out)  # to rank 0, its default destination
     return out or []

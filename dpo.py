@@ -83,10 +83,6 @@ class DPOConfig:
     evaluation, checkpoints, logging"""
 
 
-def parse_args(argv: list[str]) -> DPOConfig:
-    return runtime.cli(DPOConfig, {}, argv)
-
-
 # ----------------------------------------------------------------------------------------------
 # The loss
 
@@ -147,7 +143,7 @@ def dpo_loss(
         raise ValueError(f"unknown preference loss {kind!r}: use dpo or ipo")
     r_c = beta * (pol_chosen - ref_chosen).detach()  # [B]
     r_r = beta * (pol_rejected - ref_rejected).detach()  # [B]
-    metrics = PairMetrics(
+    return loss, PairMetrics(
         loss.detach(),
         r_c,
         r_r,
@@ -156,14 +152,6 @@ def dpo_loss(
         pol_chosen.detach(),
         pol_rejected.detach(),
     )
-    return loss, metrics
-
-
-def sequence_logps(token_logp: torch.Tensor, resp_len: torch.Tensor, average: bool) -> torch.Tensor:
-    """log pi(y|x) [B] from per-token logprobs [B, T] (zero past each response's end): the sum, or
-    the mean (IPO)."""
-    s = token_logp.sum(-1)  # [B]
-    return s / resp_len.clamp(min=1).to(s.dtype) if average else s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,16 +183,6 @@ class Pair:
         return len(self.prompt) + max(len(self.chosen), len(self.rejected))
 
 
-def _messages(value, where: str, field: str) -> tuple:
-    if not all(
-        isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in value
-    ):
-        raise data.DataError(
-            f"{where}: {field!r} is a list, but not of chat messages with 'role' and 'content'"
-        )
-    return tuple((m["role"], m["content"]) for m in value)
-
-
 def load_pairs(
     path: str,
     prompt_field: str = "prompt",
@@ -224,7 +202,7 @@ def load_pairs(
                 f"{where}: expected an object with fields {prompt_field!r}, {chosen_field!r} and "
                 f"{rejected_field!r}"
             )
-        vals = {}
+        vals = []  # prompt, chosen, rejected
         for key in (prompt_field, chosen_field, rejected_field):
             if key not in row:
                 raise data.DataError(
@@ -232,15 +210,20 @@ def load_pairs(
                 )
             v = row[key]
             if isinstance(v, (list, tuple)) and v:
-                msgs = _messages(v, where, key)
-                if key != prompt_field:
-                    if msgs[-1][0] != "assistant":
-                        raise data.DataError(
-                            f"{where}: the last message of {key!r} is not the assistant's"
-                        )
-                    v = msgs[-1][1]
-                else:
-                    v = msgs
+                if not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m
+                    for m in v
+                ):
+                    raise data.DataError(
+                        f"{where}: {key!r} is a list, but not of chat messages with 'role' and "
+                        "'content'"
+                    )
+                msgs = tuple((m["role"], m["content"]) for m in v)
+                if key != prompt_field and msgs[-1][0] != "assistant":
+                    raise data.DataError(
+                        f"{where}: the last message of {key!r} is not the assistant's"
+                    )
+                v = msgs if key == prompt_field else msgs[-1][1]
             elif not isinstance(v, str):
                 raise data.DataError(
                     f"{where}: {key!r} must be a string or a list of chat messages, "
@@ -248,8 +231,8 @@ def load_pairs(
                 )
             if isinstance(v, str) and not v.strip():
                 raise data.DataError(f"{where}: empty {key!r}")
-            vals[key] = v
-        rows.append(PrefRow(vals[prompt_field], vals[chosen_field], vals[rejected_field]))
+            vals.append(v)
+        rows.append(PrefRow(*vals))
     if not rows:
         raise data.DataError(f"{path}: no preference pairs")
     return rows
@@ -268,9 +251,7 @@ def encode_pairs(tok, rows: list[PrefRow], max_seq_len: int, what: str) -> list[
             else [{"role": role, "content": c} for role, c in r.prompt]
         )
         if tok.chat_template:
-            prompt = tok.apply_chat_template(
-                msgs, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
         elif isinstance(r.prompt, str):
             prompt = tok(r.prompt)["input_ids"]
         else:
@@ -279,16 +260,15 @@ def encode_pairs(tok, rows: list[PrefRow], max_seq_len: int, what: str) -> list[
                 "but the tokenizer has no chat template"
             )
         resp = [
-            tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            tuple(tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
             for t in (r.chosen, r.rejected)
         ]
-        pairs.append(Pair(tuple(prompt), tuple(resp[0]), tuple(resp[1])))
+        pairs.append(Pair(tuple(prompt), *resp))
     keep = [p for p in pairs if p.length <= max_seq_len]
     if len(keep) < len(pairs):
         distributed.print0(
             f"dropped {len(pairs) - len(keep)} of {len(pairs)} {what} pairs longer than "
-            f"{max_seq_len} tokens "
-            f"(--max-seq-len)"
+            f"{max_seq_len} tokens (--max-seq-len)"
         )
     if pairs and not keep:
         raise UserError(
@@ -310,53 +290,39 @@ def load_preferences(cfg: DPOConfig) -> tuple[list[PrefRow], list[PrefRow], list
         # the held-out pairs' wrong answers from a stream of their own (seed + 1), not the training
         # pairs' again
         return pairs(train_set, run.seed), pairs(heldout, run.seed + 1), heldout
-    rows = load_pairs(run.data, cfg.prompt_field, cfg.chosen_field, cfg.rejected_field)
+    names = cfg.prompt_field, cfg.chosen_field, cfg.rejected_field
+    rows = load_pairs(run.data, *names)
     if run.val_data:
-        return (
-            rows,
-            load_pairs(run.val_data, cfg.prompt_field, cfg.chosen_field, cfg.rejected_field),
-            [],
-        )
-    train_rows, heldout_rows = data.split(rows, run.val_fraction, run.seed)
-    return train_rows, heldout_rows, []
+        return rows, load_pairs(run.val_data, *names), []
+    return *data.split(rows, run.val_fraction, run.seed), []
 
 
 # ----------------------------------------------------------------------------------------------
 # One update
 
 
-def pack(pairs: list[Pair], pad_id: int, device) -> dict:
-    """Rows [2n, L] on `device`: the n chosen rows, then the n rejected ones, right-padded (one
-    forward for both)."""
+def pair_logps(
+    m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(y_c|x), log pi(y_r|x): each [n], summed over response tokens (averaged for IPO), from
+    one forward over rows [2n, L]: the n chosen rows, then the n rejected ones, right-padded."""
     seqs = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
     resp = [len(p.chosen) for p in pairs] + [len(p.rejected) for p in pairs]
     ids, am = batch.pad(seqs, pad_id)  # [2n, L] each
     start = torch.tensor([len(p.prompt) for p in pairs] * 2)  # [2n]
-    return dict(
-        input_ids=ids.to(device),
-        attention_mask=am.to(device),
-        resp_start=start.to(device),
-        resp_len=torch.tensor(resp).to(device),
-        T=max(resp),
-    )
-
-
-def pair_logps(
-    m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int, grad: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(y_c|x), log pi(y_r|x): each [n], summed over response tokens (averaged for IPO)."""
-    b = pack(pairs, pad_id, device)
     with torch.set_grad_enabled(grad), runtime.autocast(cfg.run, device):
-        # [2n, T]
+        # [2n, T], zero past each response's end
         lp, _ = m(
-            b["input_ids"],
-            b["attention_mask"],
-            b["resp_start"],
-            b["T"],
+            ids.to(device),
+            am.to(device),
+            start.to(device),
+            max(resp),
             1.0,
             cfg.run.logprob_chunk_tokens,
         )
-    s = sequence_logps(lp, b["resp_len"], average=cfg.loss == "ipo")  # [2n]
+    s = lp.sum(-1)  # [2n]
+    if cfg.loss == "ipo":  # the mean over response tokens
+        s = s / torch.tensor(resp).to(device).clamp(min=1).to(s.dtype)
     return s[: len(pairs)], s[len(pairs) :]
 
 
@@ -393,8 +359,7 @@ def update(
     sums = PairMetrics()
     micro = pair_micro_batches(pairs, cfg.run.micro_batch_tokens)
     for k, (_, mb) in enumerate(micro):
-        with torch.no_grad():
-            ref_c, ref_r = pair_logps(ref, mb, cfg, device, pad_id, grad=False)  # [n], [n]
+        ref_c, ref_r = pair_logps(ref, mb, cfg, device, pad_id, grad=False)  # [n], [n]
         pol_c, pol_r = pair_logps(policy, mb, cfg, device, pad_id, grad=True)  # [n], [n]
         # [n] each
         loss, metrics = dpo_loss(
@@ -421,8 +386,8 @@ def eval_logps(m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int) -> tor
     same passes)."""
     out = torch.zeros(len(pairs), 2, dtype=torch.float64)
     for rows, mb in pair_micro_batches(pairs, cfg.run.micro_batch_tokens):
-        c, r = pair_logps(m, mb, cfg, device, pad_id, grad=False)
-        out[rows] = torch.stack([c, r], 1).double().cpu()  # a stand-in's rows are none
+        lp = pair_logps(m, mb, cfg, device, pad_id, grad=False)  # chosen [n], rejected [n]
+        out[rows] = torch.stack(lp, 1).double().cpu()  # a stand-in's rows are none
     return out
 
 
@@ -436,7 +401,8 @@ def evaluate_pairs(
                          (DPO's "accuracy"; 0 at step 0, when every margin is 0),
     heldout_margin     = mean implicit reward margin."""
     lp = eval_logps(policy, pairs, cfg, device, pad_id)  # [n, 2]
-    margin = cfg.beta * ((lp[:, 0] - ref_lp[:, 0]) - (lp[:, 1] - ref_lp[:, 1]))  # [n]
+    d = lp - ref_lp  # [n, 2] log pi - log pi_ref of (chosen, rejected)
+    margin = cfg.beta * (d[:, 0] - d[:, 1])  # [n]
     tot = distributed.all_reduce_sum(
         torch.tensor(
             [
@@ -455,26 +421,6 @@ def evaluate_pairs(
         "heldout_reward_acc": tot[1] / tot[3],
         "heldout_margin": tot[2] / tot[3],
     }
-
-
-def evaluate_task(
-    engine, policy, tok, cfg: DPOConfig, problems: list[data.Problem], seed: int
-) -> dict:
-    """The sum3 demo only: held-out greedy accuracy and pass@1, exactly as GRPO's demo measures
-    them, with the policy's current weights loaded into an HF-generate engine."""
-    engine.load_weights(model.hf_weights(policy.lm))
-    prompts = [tok(p.prompt)["input_ids"] for p in problems]
-    return eval_aime.heldout_accuracy(
-        engine,
-        tok,
-        prompts,
-        [p.answer for p in problems],
-        reward.exact_reward,
-        cfg.run.eval_samples,
-        cfg.max_new_tokens,
-        1.0,
-        seed,
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -521,9 +467,7 @@ def train_dpo(cfg: DPOConfig) -> dict:
     path = model.resolve(cfg.run.model)
     tok = model.load_tokenizer(path, cfg.run.trust_remote_code)
     train_pairs = encode_pairs(tok, train_rows, cfg.max_seq_len, "training")
-    heldout_pairs = (
-        encode_pairs(tok, heldout_rows, cfg.max_seq_len, "held-out") if heldout_rows else []
-    )
+    heldout_pairs = encode_pairs(tok, heldout_rows, cfg.max_seq_len, "held-out")
     check(
         [
             (
@@ -556,9 +500,22 @@ def train_dpo(cfg: DPOConfig) -> dict:
 
     def evaluate(step: int) -> dict:
         row = evaluate_pairs(policy, ref_heldout, my_heldout, cfg, device, tok.pad_token_id)
-        if engine is not None:  # fresh samples at every evaluation
-            seed = cfg.run.seed + step
-            row.update(evaluate_task(engine, policy, tok, cfg, heldout_problems, seed=seed))
+        # the sum3 demo only: held-out greedy accuracy and pass@1, exactly as GRPO's demo measures
+        # them, with the policy's current weights loaded into the HF-generate engine and fresh
+        # samples at every evaluation
+        if engine is not None:
+            engine.load_weights(model.hf_weights(policy.lm))
+            row |= eval_aime.heldout_accuracy(
+                engine,
+                tok,
+                [tok(p.prompt)["input_ids"] for p in heldout_problems],
+                [p.answer for p in heldout_problems],
+                reward.exact_reward,
+                cfg.run.eval_samples,
+                cfg.max_new_tokens,
+                1.0,
+                cfg.run.seed + step,
+            )
         return row
 
     # the run folder, metrics.jsonl, Ctrl-C (only a command-line run owns the process's Ctrl-C)
@@ -599,7 +556,11 @@ def train_dpo(cfg: DPOConfig) -> dict:
 
 def main(argv: list[str]) -> None:
     one_line_errors(
-        lambda: export_hf(argv, "dpo.py") if argv[:1] == ["export"] else train_dpo(parse_args(argv))
+        lambda: (
+            export_hf(argv, "dpo.py")
+            if argv[:1] == ["export"]
+            else train_dpo(runtime.cli(DPOConfig, {}, argv))
+        )
     )
 
 

@@ -252,36 +252,35 @@ def main(cfg: EvalConfig, engine=None) -> dict:
     groups = world // tp
     first, last = distributed.share(prompts, rank // tp, groups)
     own_engine = engine is None  # an engine the caller brought is the caller's to close
-    if engine is None and cfg.engine == "hf":
-        cuda = torch.cuda.is_available()
-        dtype = {"auto": torch.bfloat16 if cuda else torch.float32}.get(cfg.dtype) or getattr(
-            torch, cfg.dtype
-        )
+    cuda = torch.cuda.is_available()
+    if own_engine and cfg.engine == "hf":
+        auto = torch.bfloat16 if cuda else torch.float32
         engine = rollout.HFEngine(
             path,
-            dtype=dtype,
+            dtype=auto if cfg.dtype == "auto" else getattr(torch, cfg.dtype),
             trust_remote_code=cfg.trust_remote_code,
             device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu",
         )
-    kv = {}  # CPU: room for this engine's samples at once, within half the memory free now
-    if engine is None and not torch.cuda.is_available():
-        shape = memory.Shape.from_config(path, cfg.trust_remote_code)
-        width = 2 if cfg.dtype in ("bfloat16", "float16") else 4
-        need = memory.engine_kv_cache_gib(shape, (last - first) * cfg.k, max_len, width, tp)
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-        kv["kv_cache_gib"] = min(need, max(free / 2 / distributed.local_world_size(), 1.0))
-    engine = engine or rollout.VLLMEngine(
-        path,
-        **kv,
-        max_model_len=max_len,
-        seed=cfg.seed,
-        dtype=cfg.dtype,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        colocated=False,
-        tensor_parallel_size=tp,
-        trust_remote_code=cfg.trust_remote_code,
-        external_launcher=distributed.in_group(),
-    )
+    elif own_engine:
+        kv = {}  # CPU: room for this engine's samples at once, within half the memory free now
+        if not cuda:
+            shape = memory.Shape.from_config(path, cfg.trust_remote_code)
+            width = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+            need = memory.engine_kv_cache_gib(shape, (last - first) * cfg.k, max_len, width, tp)
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+            kv["kv_cache_gib"] = min(need, max(free / 2 / distributed.local_world_size(), 1.0))
+        engine = rollout.VLLMEngine(
+            path,
+            **kv,
+            max_model_len=max_len,
+            seed=cfg.seed,
+            dtype=cfg.dtype,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            colocated=False,
+            tensor_parallel_size=tp,
+            trust_remote_code=cfg.trust_remote_code,
+            external_launcher=distributed.in_group(),
+        )
     samples = engine.generate(
         prompts[first:last],
         n=cfg.k,
@@ -310,7 +309,8 @@ def main(cfg: EvalConfig, engine=None) -> dict:
             }
         )
     rows = [r for part in distributed.gather_to_main(rows if rank % tp == 0 else []) for r in part]
-    own = score.failures() if isinstance(score, user_reward.Guarded) and rank % tp == 0 else 0
+    custom = isinstance(score, user_reward.Guarded)  # --reward FILE:FUNCTION
+    own = score.failures() if custom and rank % tp == 0 else 0
     # samples a --reward FILE:FUNCTION failed on
     failed = int(distributed.all_reduce_sum(torch.tensor([float(own)]))[0])
     distributed.close(engine if own_engine else None)  # every collective is done
@@ -321,7 +321,7 @@ def main(cfg: EvalConfig, engine=None) -> dict:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     tmp.replace(out)
     summary = summarize(rows, len(problems), cfg.k)
-    if cfg.reward not in ("math", "exact"):
+    if custom:
         # samples whose reward raised, hung or returned a non-number: scored 0
         summary["reward_errors"] = failed
     for i, c in enumerate(summary["correct"]):
@@ -335,7 +335,7 @@ def main(cfg: EvalConfig, engine=None) -> dict:
         f"{summary[f'pass@{cfg.k}']:.4f}\n"
         f"mean response {summary['mean_response_tokens']:.0f} tokens, truncated "
         f"{summary['truncated_frac']:.3f}\n"
-        + (f"reward errors (scored 0): {failed}\n" if "reward_errors" in summary else "")
+        + (f"reward errors (scored 0): {failed}\n" if custom else "")
         + f"samples in {out}"
     )
     summary_file = out.with_suffix(".summary.json")

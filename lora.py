@@ -87,9 +87,7 @@ def _peft_config(a: Adapters):
         r=a.lora_rank,
         lora_alpha=a.lora_alpha,
         target_modules=targets,
-        lora_dropout=0.0,
-        bias="none",
-        task_type="CAUSAL_LM",
+        task_type="CAUSAL_LM",  # peft's defaults: no dropout, no bias trained
     )
 
 
@@ -121,12 +119,11 @@ def target_checks(a: Adapters, path: str, trust_remote_code: bool = False, name:
             }
         )
     )  # what LoRA here can adapt
-    missing = [t for t in a.lora_targets if t != "all-linear" and not hits[t]]
-    if missing:
-        raise UserError(
-            f"--lora-targets {targets}: {name} has no module {missing[0]} (its linear layers: "
-            f"{linear})"
-        )
+    for t in a.lora_targets:
+        if t != "all-linear" and not hits[t]:
+            raise UserError(
+                f"--lora-targets {targets}: {name} has no module {t} (its linear layers: {linear})"
+            )
     # peft wraps embeddings too, but neither the refit nor the trainer's head would see those
     # adapters: merged knows lora_A / lora_B (an embedding's are lora_embedding_A / _B), and
     # model.py's logprobs read the head's weight directly, past peft's wrapper (its adapters would
@@ -161,8 +158,7 @@ def wrap(lm: torch.nn.Module, a: Adapters) -> torch.nn.Module:
     from peft import get_peft_model
 
     dtype = next(lm.parameters()).dtype
-    peft_lm = get_peft_model(lm, _peft_config(a), autocast_adapter_dtype=False)
-    return peft_lm.to(dtype)
+    return get_peft_model(lm, _peft_config(a), autocast_adapter_dtype=False).to(dtype)
 
 
 def is_lora(lm: torch.nn.Module) -> bool:

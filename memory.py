@@ -98,9 +98,6 @@ class Shape:
     def kv_dim(self) -> int:
         return self.kv_heads * (self.head_dim or self.hidden // self.heads)
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        return 2 * self.layers * self.kv_dim * dtype_bytes  # K and V of every layer
-
     def lora_params(self, rank: int) -> int:
         """Adapter parameters on every linear layer but the LM head: r x (in + out) for each of q,
         k, v, o (H -> H, H -> kv, H -> kv, H -> H) and gate, up, down (H -> I, H -> I, I -> H)."""
@@ -181,50 +178,46 @@ def estimate(
     # FSDP2's bf16 policy computes in the gathered weights themselves). The LM head's operand is
     # not among them: fastpaths.head_grads casts it again in backward.
     copies = 2 * layer * s.layers if autocast and not checkpointing else 0
-    rows = {
-        "parameters (B)": P / 1e9,
-        "trainable parameters (M)": T / 1e6,
-        "fp32 weights (sharded)": 4 * (P + (T if lora_rank else 0)) / ranks / GiB,
-        "AdamW moments (sharded)": 8 * T / ranks / GiB,
-        "fp32 gradients (sharded)": 4 * T / ranks / GiB,
-        "fp32 gradients accumulating (unsharded)": (4 * T if micro_batches > 1 and ranks > 1 else 0)
-        / GiB,
+    # the trainer's memory while it trains, in bytes (totals: their sum is its peak)
+    training = {
+        "fp32 weights (sharded)": 4 * (P + (T if lora_rank else 0)) / ranks,
+        "AdamW moments (sharded)": 8 * T / ranks,
+        "fp32 gradients (sharded)": 4 * T / ranks,
+        "fp32 gradients accumulating (unsharded)": 4 * T if micro_batches > 1 and ranks > 1 else 0,
         # the frozen start model for the KL term; with LoRA the base with adapters off is that
         # model: no copy
         "reference copy for the KL term (fp32, sharded)": (
             4 * P / ranks if reference and not lora_rank else 0
-        )
-        / GiB,
+        ),
         "gathered: root + 2 layers (fp32; bf16 under FSDP2's policy)": (
             wide * (rest + 2 * layer) if ranks > 1 else 0
-        )
-        / GiB,
+        ),
         "root's full gradients in backward (embedding, head)": (
             4 * rest if ranks > 1 and micro_batches == 1 and not lora_rank else 0
-        )
-        / GiB,
+        ),
         # FSDP2 gathers a group into one flat buffer, then copies it out into the parameters (and
         # reduces from one flat copy of the gradients): for a moment the largest group, the root,
         # exists twice
-        "FSDP's flat gather / reduce buffer (the root's group)": (wide * rest if ranks > 1 else 0)
-        / GiB,
-        "activations (one micro-batch)": acts / GiB,
-        "autocast's bf16 weight copies, kept for backward": copies / GiB,
+        "FSDP's flat gather / reduce buffer (the root's group)": wide * rest if ranks > 1 else 0,
+        "activations (one micro-batch)": acts,
+        "autocast's bf16 weight copies, kept for backward": copies,
         # the hidden states and the gathered rows
-        "LM head: final hidden states (fp32)": 2 * 4 * H * tokens / GiB,
+        "LM head: final hidden states (fp32)": 2 * 4 * H * tokens,
         # the entropy bonus's gradient holds up to three more (fastpaths.HeadLogprob)
         "LM head: one chunk's logits, softmax and their gradients": (4 + 3 * entropy_bonus)
         * 4
         * min(chunk_tokens, tokens)
-        * s.vocab
-        / GiB,
+        * s.vocab,
     }
+    rows = {"parameters (B)": P / 1e9, "trainable parameters (M)": T / 1e6}
+    rows |= {k: v / GiB for k, v in training.items()}
     if device == "gpu":
         share = STAGE_SHARES.get(tokens, 0.6) if vllm_fraction is None else vllm_fraction
         rows["vLLM share while generating (gpu_memory_utilization)"] = share * gpu_gib
         rows["vLLM weights (bf16)"] = 2 * P / GiB
+        # K and V of every layer in bf16
         rows["vLLM KV cache, a rank's sequences at full length"] = (
-            s.kv_bytes_per_token() * tokens * seqs_per_rank / GiB
+            2 * s.layers * s.kv_dim * 2 * tokens * seqs_per_rank / GiB
         )
     else:
         rows["vLLM weights (fp32, a full copy per rank)"] = 4 * P / GiB
@@ -247,20 +240,8 @@ def estimate(
     return rows
 
 
-TRAINING = (
-    "fp32 weights (sharded)",
-    "AdamW moments (sharded)",
-    "fp32 gradients (sharded)",
-    "fp32 gradients accumulating (unsharded)",
-    "reference copy for the KL term (fp32, sharded)",
-    "gathered: root + 2 layers (fp32; bf16 under FSDP2's policy)",
-    "root's full gradients in backward (embedding, head)",
-    "FSDP's flat gather / reduce buffer (the root's group)",
-    "activations (one micro-batch)",
-    "autocast's bf16 weight copies, kept for backward",
-    "LM head: final hidden states (fp32)",
-    "LM head: one chunk's logits, softmax and their gradients",
-)
+# estimate's rows past the trainer's: the engine's and (CPU) the process's own
+ENGINE = ("vLLM", "the process")
 # what the trainer keeps while vLLM generates
 RESIDENT = (
     "fp32 weights (sharded)",
@@ -273,9 +254,10 @@ def totals(rows: dict[str, float]) -> dict[str, float]:
     """The sums a reader checks: the trainer's peak, and (GPU) whether vLLM's share fits beside what
     the trainer keeps while it generates, and how much KV cache the share leaves; (CPU) the whole
     process's peak."""
-    train = sum(rows[k] for k in TRAINING)
+    # the trainer's rows: those past the two parameter counts that are not the engine's
+    train = sum(v for k, v in list(rows.items())[2:] if not k.startswith(ENGINE))
     if "vLLM share while generating (gpu_memory_utilization)" not in rows:
-        engine = sum(v for k, v in rows.items() if k.startswith(("vLLM", "the process")))
+        engine = sum(v for k, v in rows.items() if k.startswith(ENGINE))
         return {
             "training peak": train,
             "process peak (trainer + engine + libraries)": train + engine,

@@ -171,7 +171,7 @@ def cli(cls, presets: dict[int, dict], argv: list[str]):
     # each flag's value (the last where given twice); a command with no presets has no --stage
     given = dict(zip(argv, argv[1:])) | dict(a.split("=", 1) for a in argv if "=" in a)
     stage = given.get("--stage", "0") if presets else "0"
-    known = ", ".join(str(k) for k in presets)
+    known = ", ".join(map(str, presets))
     check(
         [(stage == "0" or stage in map(str, presets), f"--stage {stage}: unknown stage ({known})")]
     )
@@ -266,7 +266,7 @@ def optimizer_step(policy, opt, max_norm: float) -> tuple[float, bool]:
     skipped = not bool(torch.isfinite(grad_norm))
     if not skipped:
         opt.step()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad()  # set_to_none, the default: the gradients' memory is freed until backward
     return float(grad_norm), skipped
 
 
@@ -319,22 +319,19 @@ class CtrlC:
     second one aborts."""
 
     def __init__(self, install: bool):
-        self._set = False
+        self.pressed = False
         if install and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
-        if self._set:
+        if self.pressed:
             raise KeyboardInterrupt
-        self._set = True
+        self.pressed = True
         print(
             "\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again to abort now)",
             file=sys.stderr,
             flush=True,
         )
-
-    def is_set(self) -> bool:
-        return self._set
 
 
 class Run:
@@ -400,7 +397,7 @@ class Run:
         if resumed is None:
             if self.log_file:
                 (self.out / "config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
-                self.log_file.start(keep_until=None)
+                self.log_file.start(None)  # a fresh file
             return 0
         ckpt, start = resumed
         same_training_set(ckpt, self.cfg, train_set)
@@ -465,7 +462,7 @@ class Run:
     def interrupted(self) -> bool:
         """Whether Ctrl-C was pressed on any rank (a collective: every rank calls it each step);
         then steps() ends the loop after this step."""
-        ctrl_c = torch.tensor([float(self.ctrl_c.is_set())])
+        ctrl_c = torch.tensor([float(self.ctrl_c.pressed)])
         self.stopped = distributed.all_reduce_max(ctrl_c).item() > 0
         return self.stopped
 
@@ -534,7 +531,7 @@ def same_training_set(ckpt: Path, cfg, train_set: str) -> None:
     """UserError when the checkpoint was saved over another training set than `train_set`: its
     prompt stream would draw other problems (or indices past the end), naming the DATA_FLAGS whose
     values differ from the checkpoint's config. A checkpoint that recorded none passes."""
-    meta = json.loads((ckpt / "meta.json").read_text())
+    meta = checkpoint.read_meta(ckpt)
     if meta.get("train_set", train_set) == train_set:
         return
 

@@ -65,11 +65,12 @@ def import_function(spec: str):
     path, name = parse_spec(spec)
     module_spec = importlib.util.spec_from_file_location(f"user_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
-    sys.path.insert(0, str(path.parent.absolute()))  # the file may import its neighbours
+    folder = str(path.parent.absolute())
+    sys.path.insert(0, folder)  # the file may import its neighbours
     try:
         module_spec.loader.exec_module(module)
     finally:
-        sys.path.remove(str(path.parent.absolute()))
+        sys.path.remove(folder)
     return getattr(module, name, None)
 
 
@@ -81,7 +82,7 @@ def checks(spec: str, timeout_s: float, flag: str = "--reward") -> list[tuple[bo
     path, name = parse_spec(spec)
     syntax = [
         (
-            ":" in spec and bool(name) and name.isidentifier(),
+            ":" in spec and name.isidentifier(),  # "" is no identifier
             f"{flag} {spec}: expected path/to/file.py:function (a function name after the last "
             "colon)",
         ),
@@ -138,11 +139,7 @@ class Guarded:
             self._stop()
             return self._fail("timed out", f"ran past --reward-timeout-s {self.timeout_s}")
         # the worker died (os._exit, a crash) or broke the protocol
-        except (
-            OSError,
-            EOFError,
-            ValueError,
-        ) as e:
+        except (OSError, EOFError, ValueError) as e:
             code = self._stop()
             return self._fail("raised", f"lost its process ({_one_line(e)}; exit status {code})")
         if "error" in reply:
@@ -230,16 +227,16 @@ class Guarded:
         return 0.0
 
 
-def load(spec: str, timeout_s: float = 1.0) -> Guarded:
-    """The guarded reward of a --reward value (checks(spec) first: it has none of their errors)."""
-    return Guarded(spec, timeout_s)
+# load(spec, timeout_s): the guarded reward of a --reward value (checks(spec) first: it has none of
+# their errors)
+load = Guarded
 
 
 def serve(spec: str) -> None:
     """The worker: one JSON line [response, gold] in, one JSON line out ({"value"}, {"error"} or
     {"repr"}), until stdin closes. Its stdout is kept for replies, so whatever the function prints
     goes to stderr."""
-    replies = os.fdopen(os.dup(1), "w")
+    replies = os.fdopen(os.dup(1), "w", buffering=1)  # line-buffered: each reply leaves at once
     os.dup2(2, 1)
     # Ctrl-C is the trainer's to handle: it stops the worker itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -257,7 +254,6 @@ def serve(spec: str) -> None:
     except BaseException as e:  # noqa: BLE001 every call then reports it
         fn, import_error = None, f"{_one_line(e)} (while importing the file)"
     replies.write('{"ready": true}\n')
-    replies.flush()
     for line in sys.stdin:
         if fn is None:
             reply = {"error": import_error}
@@ -275,7 +271,6 @@ def serve(spec: str) -> None:
             except BaseException as e:  # noqa: BLE001 SystemExit and KeyboardInterrupt included
                 reply = {"error": _one_line(e)}
         replies.write(json.dumps(reply) + "\n")
-        replies.flush()
 
 
 if __name__ == "__main__":
