@@ -81,12 +81,9 @@ def grpo_flags(cfg, world: int) -> None:
                 f"{world} ranks",
             ),
             (
-                cfg.minibatch_size == 0
-                or (
-                    cfg.minibatch_size > 0
-                    and cfg.minibatch_size % cfg.group_size == 0
-                    and (cfg.prompts_per_step * cfg.group_size) % cfg.minibatch_size == 0
-                ),
+                cfg.minibatch_size >= 0
+                and cfg.minibatch_size % cfg.group_size == 0
+                and cfg.prompts_per_step * cfg.group_size % (cfg.minibatch_size or 1) == 0,
                 f"--minibatch-size {cfg.minibatch_size}: must be a multiple of "
                 f"--group-size {cfg.group_size} (whole groups) dividing "
                 f"prompts_per_step * group_size = {cfg.prompts_per_step * cfg.group_size}",

@@ -159,31 +159,19 @@ def heldout_accuracy(
     for x, r in zip(sampled, s):
         per_prompt[x.prompt_idx] += r / k
     counted = float(distributed.rank() % tp == 0)
-    tot = distributed.all_reduce_sum(
-        counted
-        * torch.tensor(
-            [
-                sum(s),
-                len(s),
-                sum(g),
-                len(g),
-                sum(per_prompt),
-                sum(p * p for p in per_prompt),
-                len(per_prompt),
-            ],
-            dtype=torch.float64,
-        )
-    ).tolist()
-    if not tot[1]:
+    sums = [sum(s), sum(g), sum(per_prompt), sum(p * p for p in per_prompt), len(mine)]
+    tot = distributed.all_reduce_sum(counted * torch.tensor(sums, dtype=torch.float64)).tolist()
+    n = tot[4]  # prompts: k samples and one greedy response each
+    if not n:
         return {}
     # the 95% CI of pass@1 as summarize() gives it: normal approximation over prompts
-    n, mean = tot[6], tot[4] / tot[6]
-    half = 1.96 * math.sqrt(max(tot[5] - n * mean * mean, 0.0) / max(n - 1, 1) / n)
+    mean = tot[2] / n
+    half = 1.96 * math.sqrt(max(tot[3] - n * mean * mean, 0.0) / max(n - 1, 1) / n)
     return {
-        "heldout_pass1": tot[0] / tot[1],
+        "heldout_pass1": tot[0] / (k * n),
         "heldout_pass1_ci95_low": mean - half,
         "heldout_pass1_ci95_high": mean + half,
-        "heldout_greedy": tot[2] / tot[3],
+        "heldout_greedy": tot[1] / n,
     }
 
 

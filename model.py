@@ -33,8 +33,7 @@ import fastpaths
 import lora
 from checks import UserError, demo_function
 
-# what this project builds or measures once per machine: the built-in bases, HFEngine's CPU decoding
-# choice
+# what this project builds once per machine: the built-in bases
 DEFAULT_CACHE = Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-minimal"))
 # --model values that name a base model the demo builds on first use (demo/bases.py)
 BUILTIN = ("tiny", "tiny-math", "r1-shape", "smollm2")

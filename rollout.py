@@ -139,9 +139,7 @@ class VLLMEngine:
         # stops vLLM from dropping torch to one thread
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         # here, not at the top: after the settings above, and HFEngine needs no vLLM installed
-        from vllm import (
-            LLM,
-        )
+        from vllm import LLM
 
         kwargs = dict(
             model=model_path,
@@ -213,10 +211,7 @@ class VLLMEngine:
         modulo 2^31 and shifted past the indices, so that two seeds never overlap.
         """
         # here, not at the top: HFEngine needs no vLLM installed
-        from vllm import (
-            SamplingParams,
-            TokensPrompt,
-        )
+        from vllm import SamplingParams, TokensPrompt
 
         # waking here would sample from the weights it slept with, not the trainer's newest
         if self.asleep:

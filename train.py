@@ -27,7 +27,6 @@ rollout.py; LoRA in lora.py; the bookkeeping around the loop (flags every run ha
 evaluation cadence, checkpoints, Ctrl-C) in runtime.py, which dpo.py's loop shares.
 """
 
-import math
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -491,7 +490,7 @@ def old_logprobs(
         return out
 
     n, top, cov = n_minibatches(cfg), cfg.loss.top_entropy_quantile < 1, "cov" in cfg.loss.pg
-    old = pass_over(policy, skip=True, entropy=top) if n > 1 or top or cov else None
+    old = pass_over(policy, skip=not top, entropy=top) if n > 1 or top or cov else None
     b = replace(b, old_logp=old[0] if n > 1 else None)
     if top:
         b = replace(b, top=high_entropy(b, old[1], cfg, first_group))
@@ -520,20 +519,13 @@ def covariance_picks(
 
 
 def high_entropy(b: Batch, entropy: torch.Tensor, cfg: Config, first_group: int) -> torch.Tensor:
-    """[N, T] 1 on each minibatch's high-entropy tokens (Wang et al. 2025; TRL's
-    top_entropy_quantile): those whose entropy under the old policy (entropy [N, T]) is at least the
-    (1 - q) quantile (torch.quantile, as TRL's get_high_entropy_mask) of the minibatch's loss tokens
-    over every rank. TRL counts every token of a micro-batch; here the tokens whose loss term can be
-    non-zero (A != 0), so that skipping stays exact and the quantile is the same at any world size
-    and micro-batching. A collective."""
-
-    def choose(v):  # [2, M]: each loss token's entropy, and whether its advantage is not 0
-        counted = v[0][v[1] > 0].double()
-        q = 1 - cfg.loss.top_entropy_quantile
-        return v[0] >= (torch.quantile(counted, q) if counted.numel() else math.inf)
-
-    nonzero = (b.advantages != 0)[:, None].expand(entropy.shape).to(entropy.dtype)
-    return pick_tokens(b, [entropy, nonzero], cfg, first_group, choose)
+    """[N, T] 1 on each minibatch's high-entropy tokens (Wang et al. 2025): those whose entropy
+    under the old policy (entropy [N, T]) is at least the (1 - q) quantile of the minibatch's loss
+    tokens over every rank, as TRL's get_high_entropy_mask (torch.quantile, every token, A = 0 or
+    not: old_logprobs passes over every row for it). A collective."""
+    q = 1 - cfg.loss.top_entropy_quantile
+    at = lambda h: torch.quantile(h.double(), q) if h.numel() else 0.0  # noqa: E731
+    return pick_tokens(b, [entropy], cfg, first_group, lambda v: v[0] >= at(v[0]))
 
 
 def pick_tokens(b: Batch, values: list, cfg: Config, first_group: int, choose) -> torch.Tensor:
