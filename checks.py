@@ -26,7 +26,11 @@ class UserError(Exception):
     step."""
 
 
-def check(checks: list[tuple[bool, str]]) -> None:
+# (condition, the one line said when it is false): what each concern's checks return
+Checks = list[tuple[bool, str]]
+
+
+def check(checks: Checks) -> None:
     """Raises UserError with the message of the first failed check."""
     for ok, msg in checks:
         if not ok:

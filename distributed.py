@@ -39,7 +39,7 @@ import datetime
 import os
 from contextlib import contextmanager
 from dataclasses import fields
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -295,11 +295,15 @@ def loss_scale() -> float:
     return float(world_size())
 
 
+# (HF name, tensor) pairs, streamed: a model's weights on their way to the engine
+Weights = Iterable[tuple[str, torch.Tensor]]
+
+
 def full_weights(
-    named: Iterable[tuple[str, torch.Tensor]],
+    named: Weights,
     dtype: torch.dtype | None = None,
     bucket_bytes: int = 256 * 2**20,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Weights:
     """(name, full tensor) for each (name, tensor or sharded DTensor) pair (a model's
     named_parameters(), LoRA's merged shards: lora.merged), gathered from the FSDP shards in buckets
     of at most `bucket_bytes` (or one tensor, if a single tensor is larger): the refit never holds

@@ -84,6 +84,9 @@ AdvEstimator = Literal["grpo", "grpo_passk"]
 PolicyLoss = Literal["ppo", "gspo", "cispo", "reinforce", "clip_cov", "kl_cov"]
 KLKind = Literal["k1", "k2", "k3"]
 ISCorrection = Literal["none", "tis", "icepop", "seq-mask-tis", "seq-mask"]
+Sum = (
+    float | torch.Tensor
+)  # a metric's sum: a 0-d tensor before the reduction over ranks, then a float
 
 
 @dataclass
@@ -157,10 +160,9 @@ def config_error(cfg: LossConfig) -> str:
             "--adv-estimator grpo_passk: has no leave-one-out baseline and scales by the group "
             "std or not at all (--adv-scale group or none)"
         )
-    if not (0 < cfg.clip_cov_ratio <= 1 and 0 < cfg.kl_cov_ratio <= 1):
-        return f"--clip-cov-ratio {cfg.clip_cov_ratio} --kl-cov-ratio {cfg.kl_cov_ratio}: in (0, 1]"
-    if not 0 < cfg.top_entropy_quantile <= 1:
-        return f"--top-entropy-quantile {cfg.top_entropy_quantile}: must be in (0, 1]"
+    for name in ("top_entropy_quantile", "clip_cov_ratio", "kl_cov_ratio"):  # fractions
+        if not 0 < getattr(cfg, name) <= 1:
+            return f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be in (0, 1]"
     if cfg.dual_clip and cfg.dual_clip <= 1:
         return f"--dual-clip {cfg.dual_clip}: must be 0 (off) or > 1"
     if cfg.pg == "gspo" and cfg.token_level:
@@ -196,15 +198,15 @@ class LossMetrics:
     by is_units) they are the logged fractions. The defaults (0) are the sums over nothing."""
 
     # the loss itself (detached): its share of the global batch's loss
-    loss: float | torch.Tensor = 0.0
-    tokens: float | torch.Tensor = 0.0  # loss tokens
-    kl: float | torch.Tensor = 0.0  # sum of kl_t (before beta)
+    loss: Sum = 0.0
+    tokens: Sum = 0.0  # loss tokens
+    kl: Sum = 0.0  # sum of kl_t (before beta)
     # tokens whose ratio fell below 1 - eps_low with A < 0 (clipped)
-    clip_low: float | torch.Tensor = 0.0
+    clip_low: Sum = 0.0
     # tokens whose ratio rose above 1 + eps_high with A > 0 (clipped)
-    clip_high: float | torch.Tensor = 0.0
-    is_oob: float | torch.Tensor = 0.0  # units the is_correction clipped or masked
-    is_units: float | torch.Tensor = 0.0  # units it counted: tokens (tis, icepop) or responses
+    clip_high: Sum = 0.0
+    is_oob: Sum = 0.0  # units the is_correction clipped or masked
+    is_units: Sum = 0.0  # units it counted: tokens (tis, icepop) or responses
 
 
 @dataclass
@@ -212,10 +214,10 @@ class Mismatch:
     """mismatch_metrics' sums over response tokens (divide by their count), under NeMo-RL's
     names."""
 
-    token_mult_prob_error: float | torch.Tensor = 0.0
-    gen_kl_error: float | torch.Tensor = 0.0
-    policy_kl_error: float | torch.Tensor = 0.0
-    js_divergence_error: float | torch.Tensor = 0.0
+    token_mult_prob_error: Sum = 0.0
+    gen_kl_error: Sum = 0.0
+    policy_kl_error: Sum = 0.0
+    js_divergence_error: Sum = 0.0
 
 
 def group_baseline_and_std(

@@ -38,7 +38,7 @@ from typing import Iterable, Iterator
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from checks import UserError
+from checks import Checks, UserError
 
 # peft's PeftModel names every parameter of the HF model below this
 PEFT_PREFIX = "base_model.model."
@@ -61,7 +61,7 @@ class Adapters:
         return self.lora_rank > 0
 
 
-def flag_checks(a: Adapters) -> list[tuple[bool, str]]:
+def flag_checks(a: Adapters) -> Checks:
     return [
         (
             a.lora_rank >= 0,

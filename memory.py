@@ -318,9 +318,8 @@ def need_gib(cfg, s: Shape, world: int, checkpointing: bool, micro_batch_tokens:
         k = min(cfg.group_size, max((micro_batch_tokens - L + R) // max(R, 1), 1))
         attention = rows * L * k * L // (L - R + k * R)
     env = os.environ.get("VLLM_CPU_KVCACHE_SPACE")  # vLLM's own setting wins over ours
-    kv_gib = (
-        float(env) if env else kv_cache_gib(cfg, s, world, 2 if cfg.run.dtype == "bfloat16" else 4)
-    )
+    width = 2 if cfg.run.dtype == "bfloat16" else 4
+    kv_gib = float(env) if env else kv_cache_gib(cfg, s, world, width)
     kv_gib = kv_gib if cfg.engine == "vllm" else 0.0
     rows_gib = estimate(
         s,
@@ -358,13 +357,14 @@ def preflight(cfg, world: int) -> None:
     need = need_gib(cfg, shape, world, ckpt, budget)
     if need <= have:
         return
-    tries = [
+    # the first that fits of: checkpointing as given, then on; the budget as given, then smaller
+    tries = (
         (c, t)
         for c in sorted({ckpt, True})
         for t in sorted({budget, 8192, 4096, 2048, 1024, 512}, reverse=True)
-        if t <= budget
-    ]
-    fits = next(((c, t) for c, t in tries if need_gib(cfg, shape, world, c, t) <= have), None)
+        if t <= budget and need_gib(cfg, shape, world, c, t) <= have
+    )
+    fits = next(tries, None)
     if fits is None:
         way = (
             "no --micro-batch-tokens or --activation-checkpointing fits: "

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import distributed
 import fastpaths
 import lora
-from checks import UserError, demo_function
+from checks import Checks, UserError, demo_function
 
 # what this project builds once per machine: the built-in bases
 DEFAULT_CACHE = Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-minimal"))
@@ -45,7 +45,7 @@ def resolve(name: str) -> str:
     return demo_function("bases.py:ensure")(name, DEFAULT_CACHE) if name in BUILTIN else name
 
 
-def model_checks(flag: str, value: str) -> list[tuple[bool, str]]:
+def model_checks(flag: str, value: str) -> Checks:
     """A --model value is a built-in base's name, an HF model folder, or (where no such path exists)
     a hub name."""
     if value in BUILTIN:

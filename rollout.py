@@ -18,7 +18,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import torch
 from tqdm import tqdm
@@ -62,7 +62,7 @@ class Engine(Protocol):
         many tokens (fixed-length benchmark workloads). first_index: see VLLMEngine.generate."""
         ...
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: distributed.Weights) -> None:
         """Replace the engine's weights with the trainer's (HF names, full tensors), in place; wakes
         a sleeping engine."""
         ...
@@ -242,7 +242,7 @@ class VLLMEngine:
                 samples.append(Sample(i, ids, lps, truncated=c.finish_reason == "length"))
         return samples
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: distributed.Weights) -> None:
         if self.asleep:
             # memory for the weights first; the refit writes every one of them
             self.llm.wake_up(tags=["weights"])
@@ -374,49 +374,42 @@ class HFEngine:
             torch.manual_seed(hash((seed, first_index)) if first_index else seed)
         caps = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         flat = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
-        samples = []
+        greedy, samples = temperature == 0, []
         for s in tqdm(
             range(0, len(flat), self.batch_size), desc="generate", disable=not progress, leave=False
         ):
             batch = flat[s : s + self.batch_size]
-            caps_here = [caps[i] for i, _ in batch]
-            samples += self._generate_batch(batch, caps_here, temperature, top_p, min_tokens)
-        return samples
-
-    def _generate_batch(self, flat, caps, temperature, top_p, min_tokens=0) -> list[Sample]:
-        width = max(len(p) for _, p in flat)
-        ids = torch.full((len(flat), width), self.pad, dtype=torch.long)  # left-padded for generate
-        am = torch.zeros_like(ids)
-        for r, (_, p) in enumerate(flat):
-            ids[r, width - len(p) :] = torch.tensor(p)
-            am[r, width - len(p) :] = 1
-        greedy = temperature == 0
-        rec = _SampledLogprobs(temperature or 1.0)
-        out = self.model.generate(
-            input_ids=ids.to(self.model.device),
-            attention_mask=am.to(self.model.device),
-            max_new_tokens=max(caps),
-            min_new_tokens=min(min_tokens, max(caps))
-            or None,  # a row whose cap is below it is cut at its cap
-            do_sample=not greedy,
-            temperature=None if greedy else temperature,
-            top_p=None if greedy else top_p,
-            top_k=None,
-            eos_token_id=self.eos,
-            pad_token_id=self.pad,
-            logits_processor=LogitsProcessorList([rec]),
-            return_dict_in_generate=True,
-        )
-        new = out.sequences[:, width:]  # [N, t]
-        logp = rec.finish(new).cpu()  # [N, t]
-        new = new.cpu()
-        samples = []
-        for r, (i, _) in enumerate(flat):
-            toks = new[r, : caps[r]].tolist()
-            k = toks.index(self.eos) + 1 if self.eos in toks else len(toks)
-            samples.append(
-                Sample(i, toks[:k], logp[r, :k].tolist(), truncated=self.eos not in toks[:k])
+            cap = [caps[i] for i, _ in batch]
+            width = max(len(p) for _, p in batch)
+            # left-padded for generate
+            ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
+            am = torch.zeros_like(ids)
+            for r, (_, p) in enumerate(batch):
+                ids[r, width - len(p) :] = torch.tensor(p)
+                am[r, width - len(p) :] = 1
+            rec = _SampledLogprobs(temperature or 1.0)
+            out = self.model.generate(
+                input_ids=ids.to(self.model.device),
+                attention_mask=am.to(self.model.device),
+                max_new_tokens=max(cap),
+                # a row whose cap is below it is cut at its cap
+                min_new_tokens=min(min_tokens, max(cap)) or None,
+                do_sample=not greedy,
+                temperature=None if greedy else temperature,
+                top_p=None if greedy else top_p,
+                top_k=None,
+                eos_token_id=self.eos,
+                pad_token_id=self.pad,
+                logits_processor=LogitsProcessorList([rec]),
+                return_dict_in_generate=True,
             )
+            new = out.sequences[:, width:]  # [N, t]
+            logp = rec.finish(new).cpu()  # [N, t]
+            for r, (i, _) in enumerate(batch):
+                toks = new[r, : cap[r]].tolist()
+                k = toks.index(self.eos) + 1 if self.eos in toks else len(toks)
+                lps = logp[r, :k].tolist()
+                samples.append(Sample(i, toks[:k], lps, truncated=self.eos not in toks[:k]))
         return samples
 
     def sleep(self) -> None:
@@ -425,7 +418,7 @@ class HFEngine:
     def close(self) -> None:
         """Nothing to release: the model is freed with the engine."""
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: distributed.Weights) -> None:
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, t in weights:

@@ -43,7 +43,7 @@ import checkpoint
 import distributed
 import logs
 import model
-from checks import UserError, check, writable
+from checks import Checks, UserError, check, writable
 
 
 @dataclass
@@ -109,7 +109,7 @@ class RunConfig:
     quiet: bool = False  # no progress bar (the JSON lines are still written)
 
 
-def run_checks(run: RunConfig) -> list[tuple[bool, str]]:
+def run_checks(run: RunConfig) -> Checks:
     """The checks of the flags every run has, as (condition, one-line message)."""
     return [
         (run.steps >= 1, f"--steps {run.steps}: must be at least 1"),

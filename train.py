@@ -280,9 +280,8 @@ class Groups:
     drawn: int  # groups generated, over every dynamic-sampling round (this rank's engine)
     zero_variance: int  # of those, groups whose rewards were all equal (no learning signal)
     rounds: int  # generation rounds (1 unless dynamic sampling drew more)
-    first_group: (
-        int  # the step-wide index of this rank's first group (minibatches are made of whole groups)
-    )
+    # the step-wide index of this rank's first group (minibatches are made of whole groups)
+    first_group: int
     reward_errors: int  # this step's samples a --reward FILE:FUNCTION failed on (scored 0)
 
 
@@ -491,11 +490,12 @@ def old_logprobs(
 
     n, top, cov = n_minibatches(cfg), cfg.loss.top_entropy_quantile < 1, "cov" in cfg.loss.pg
     old = pass_over(policy, skip=not top, entropy=top) if n > 1 or top or cov else None
-    b = replace(b, old_logp=old[0] if n > 1 else None)
-    if top:
-        b = replace(b, top=high_entropy(b, old[1], cfg, first_group))
-    if cov:
-        b = replace(b, picked=covariance_picks(b, old[0], cfg, first_group, step))
+    b = replace(
+        b,
+        old_logp=old[0] if n > 1 else None,
+        top=high_entropy(b, old[1], cfg, first_group) if top else None,
+        picked=covariance_picks(b, old[0], cfg, first_group, step) if cov else None,
+    )
     if ref is None:
         return b
     with lora.adapters_off(ref.lm):  # a no-op for a frozen copy, which has no adapters
