@@ -536,3 +536,23 @@ def test_covariance_tokens_match_float64(pg):
                                               torch.Generator().manual_seed(s)).nonzero().flatten().tolist())
                  for s in range(5)}  # fmt: skip
         assert len(draws) > 1
+
+
+def test_entropy_bonus_across_micro_batches_is_the_global_token_mean_not_verls_mean_of_means():
+    """The difference by design from verl: split into micro-batches of 1 and 2 rows (4 and 5 loss
+    tokens), ours adds up to the bonus of the whole batch, sum of H over its 9 tokens / 9; verl's
+    actor subtracts each micro-batch's own mean H, scaled by 1 / 2 micro-batches."""
+    f64 = dict(dtype=torch.float64)
+    logp = old = torch.tensor(VERL_OLD, **f64)
+    ent, mask = torch.tensor(VERL_ENT, **f64), torch.tensor(VERL_MASK, **f64)
+    adv = torch.zeros(3, **f64)  # no policy term: the bonus alone
+    cfg = grpo.LossConfig(entropy_coeff=1.0)
+    parts = [slice(0, 1), slice(1, 3)]
+    ours = sum(
+        grpo.policy_loss(logp[p], old[p], adv[p], mask[p], cfg, 9.0, entropy=ent[p])[0].item()
+        for p in parts
+    )
+    h = [e for row, m in zip(VERL_ENT, VERL_MASK) for e, k in zip(row, m) if k]
+    assert ours == pytest.approx(-sum(h) / 9, abs=1e-12)
+    verl = -sum(float((ent[p] * mask[p]).sum() / mask[p].sum()) for p in parts) / 2
+    assert abs(ours - verl) > 1e-3  # the two means part when micro-batches hold unequal tokens
