@@ -405,6 +405,7 @@ class HFEngine:
             )
             new = out.sequences[:, width:]  # [N, t]
             logp = rec.finish(new).cpu()  # [N, t]
+            new = new.cpu()  # one copy from the GPU, not one per row
             for r, (i, _) in enumerate(batch):
                 toks = new[r, : cap[r]].tolist()
                 k = toks.index(self.eos) + 1 if self.eos in toks else len(toks)
