@@ -82,6 +82,7 @@ import torch
 AdvScale = Literal["group", "batch", "none"]
 AdvEstimator = Literal["grpo", "grpo_passk"]
 PolicyLoss = Literal["ppo", "gspo", "cispo", "reinforce", "clip_cov", "kl_cov"]
+COVARIANCE = ("clip_cov", "kl_cov")  # the losses that act on covariance_tokens' picks
 KLKind = Literal["k1", "k2", "k3"]
 ISCorrection = Literal["none", "tis", "icepop", "seq-mask-tis", "seq-mask"]
 Sum = (
@@ -428,7 +429,7 @@ def policy_loss(
     err = config_error(cfg)
     if err:
         raise ValueError(err)
-    if cfg.pg in ("clip_cov", "kl_cov") and picked is None:
+    if cfg.pg in COVARIANCE and picked is None:
         raise ValueError(f"--pg {cfg.pg} needs the picked tokens (covariance_tokens)")
     mask = mask.to(logp.dtype)
     A = advantages.to(logp.dtype)[:, None]  # [B, 1]

@@ -456,7 +456,7 @@ def plan(m, b: Batch, rows: list[int], cfg: Config, skip: bool) -> list[Batch]:
 def dense(cfg: Config) -> bool:
     """Whether the loss has a term that does not vanish with the advantage (the KL term, the entropy
     bonus, KL-Cov's penalty), or counts every token (Clip-Cov's covariance)."""
-    return cfg.loss.kl_beta > 0 or cfg.loss.entropy_coeff != 0 or "cov" in cfg.loss.pg
+    return cfg.loss.kl_beta > 0 or cfg.loss.entropy_coeff != 0 or cfg.loss.pg in grpo.COVARIANCE
 
 
 def n_minibatches(cfg: Config) -> int:
@@ -488,7 +488,11 @@ def old_logprobs(
             out[:, mb.rows, : mb.T] = torch.stack([lp, en]).cpu()
         return out
 
-    n, top, cov = n_minibatches(cfg), cfg.loss.top_entropy_quantile < 1, "cov" in cfg.loss.pg
+    n, top, cov = (
+        n_minibatches(cfg),
+        cfg.loss.top_entropy_quantile < 1,
+        cfg.loss.pg in grpo.COVARIANCE,
+    )
     old = pass_over(policy, skip=not top, entropy=top) if n > 1 or top or cov else None
     b = replace(
         b,
