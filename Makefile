@@ -13,7 +13,7 @@ REQ := $(if $(GPU),requirements.txt,requirements-cpu.txt)
 STAMP := .venv/.installed-$(basename $(REQ))
 ARGS ?=
 
-.PHONY: demo dpo test test-fast lint format recipe smollm2 bench gpu-check gpu-wheels check-setup clean
+.PHONY: demo dpo test test-fast lint format recipe smollm2 smollm2-recipe bench gpu-check gpu-wheels check-setup clean
 demo: $(STAMP)
 	$(PY) train.py $(ARGS)
 
@@ -95,6 +95,41 @@ smollm2: $(STAMP)
 	$(RUN) demo/tasks.py add $(S)/data
 	$(RUN) train.py $(SMOLLM2) --out-dir $(S)/run $(ARGS)
 	$(RUN) logs.py $(S)/run
+
+# The recipe on a real model (docs/recipe.md, "On a real model"): `make recipe`'s three stage commands, the same
+# --stage presets, on SmolLM2-135M-Instruct (--model smollm2) and sums of 2 to 5 digits ("What is 5 + 8 + 3 + 6?",
+# `python demo/tasks.py digits`) after a one-shot prompt that works them one addition at a time
+# (demo/smollm2-recipe-prompt.txt), scored by the last number (--answer last-number). Overridden, only for scale:
+#   model, data, prompt; 16 prompts per step (the presets' 128 x 8 would take hours a step here); responses capped
+#   at SCAP1 / SCAP2 / SCAP3 tokens for the presets' 8K / 16K / 24K, prompts <= 96 tokens for their 1024; steps;
+#   --warmup-steps 2; lr 3e-5, 3e-5, 7.5e-6 (`make smollm2`'s 3e-5 and the presets' ratio); dynamic sampling
+#   (without it most groups score all 0 at first and a stage is too short to learn: docs/log.md); micro-batches
+#   of 1,024 tokens. eval_aime.py scores the base and each stage's end on the 200 held-out problems at one cap, the
+#   longest stage's, as DeepScaleR scores every stage at one length. SEED names the run (SR/seed$(SEED)); after
+#   SEED=0, 1 and 2, `python tools/recipe.py SR` writes the table over seeds and its PNG.
+SR ?= runs/smollm2-recipe
+SEED ?= 0
+SSTEPS1 ?= 8
+SSTEPS2 ?= 10
+SSTEPS3 ?= 4
+SK ?= 2
+SD = $(SR)/seed$(SEED)
+SRSCALE = --model smollm2 --answer last-number --prompt-template demo/smollm2-recipe-prompt.txt --prompts-per-step 16 \
+          --warmup-steps 2 --max-prompt-len 96 --no-activation-checkpointing --micro-batch-tokens 1024 --eval-every 0 --checkpoint-every 0 \
+          --threads $(THREADS) --seed $(SEED) --data $(SR)/data/train.jsonl --val-data $(SR)/data/heldout.jsonl
+SREVAL = --data $(SR)/data/heldout.jsonl --prompt-template demo/smollm2-recipe-prompt.txt --answer last-number --k $(SK) \
+         --max-tokens 96 --seed $(SEED)
+
+smollm2-recipe: $(STAMP)
+	$(RUN) demo/tasks.py digits $(SR)/data
+	$(RUN) eval_aime.py --model smollm2 $(SREVAL) --out $(SD)/eval_base.jsonl
+	$(RUN) train.py --stage 1 $(SRSCALE) --max-seq-len 128 --max-new-tokens 32 --lr 3e-5 --steps $(SSTEPS1) --out-dir $(SD)/s1
+	$(RUN) eval_aime.py --model $(SD)/s1/final $(SREVAL) --out $(SD)/eval_s1.jsonl
+	$(RUN) train.py --stage 2 $(SRSCALE) --init-from $(SD)/s1/final --max-seq-len 160 --max-new-tokens 64 --lr 3e-5 --steps $(SSTEPS2) --out-dir $(SD)/s2
+	$(RUN) eval_aime.py --model $(SD)/s2/final $(SREVAL) --out $(SD)/eval_s2.jsonl
+	$(RUN) train.py --stage 3 $(SRSCALE) --init-from $(SD)/s2/final --max-seq-len 192 --max-new-tokens 96 --lr 7.5e-6 --steps $(SSTEPS3) --out-dir $(SD)/s3
+	$(RUN) eval_aime.py --model $(SD)/s3/final $(SREVAL) --out $(SD)/eval_s3.jsonl
+	$(RUN) tools/recipe.py $(SD)
 
 # the step-time table of docs/speed.md (tools/bench.py); TRL is only needed for its comparison row
 bench: $(STAMP)

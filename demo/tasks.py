@@ -237,7 +237,42 @@ def write_problems(folder: str, train: list[Problem], heldout: list[Problem], wh
     print(f"wrote {len(train)} training and {len(heldout)} held-out {what} problems to {out}")
 
 
-TASKS = {"sums": (lambda: sums_split()[:2], "chain-sum"), "add": (add_split, "two-digit addition")}
+# ----------------------------------------------------------------------------------------------
+# Sums of two to five digits for the real model's staged recipe (`make smollm2-recipe`)
+
+
+def digits_split(n_heldout_per_n: int = 50, n_train: int = 8000, seed: int = 99):
+    """Problems "What is 5 + 8 + 3 + 6?" of 2 to 5 digits (1..9), a quarter of each length, drawn
+    with a fixed seed: (train, held-out). The held-out problems (shuffled) are distinct and never
+    in the training file (where the short ones repeat: there are only 81 of two digits). Worked one
+    addition at a time, as the one-shot prompt (demo/smollm2-recipe-prompt.txt) shows, an answer
+    takes about 10 tokens per added digit: the short budgets cut off the long problems' working."""
+    rng = random.Random(seed)
+
+    def draw(n: int) -> tuple[int, ...]:
+        return tuple(rng.randint(1, 9) for _ in range(n))
+
+    held: list[tuple[int, ...]] = []
+    for n in range(2, 6):
+        held += list(dict.fromkeys(draw(n) for _ in range(10 * n_heldout_per_n)))[:n_heldout_per_n]
+    train: list[tuple[int, ...]] = []
+    while len(train) < n_train:
+        xs = draw(2 + len(train) % 4)
+        if xs not in held:
+            train.append(xs)
+    rng.shuffle(held)  # so that --eval-prompts' first problems are of every length
+
+    def problem(xs: tuple[int, ...]) -> Problem:
+        return Problem("What is " + " + ".join(map(str, xs)) + "?", str(sum(xs)))
+
+    return [problem(xs) for xs in train], [problem(xs) for xs in held]
+
+
+TASKS = {
+    "sums": (lambda: sums_split()[:2], "chain-sum"),
+    "add": (add_split, "two-digit addition"),
+    "digits": (digits_split, "digit-sum"),
+}
 
 
 def main(argv: list[str]) -> None:
@@ -245,7 +280,7 @@ def main(argv: list[str]) -> None:
         [
             (
                 len(argv) == 2 and argv[0] in TASKS,
-                "usage: python demo/tasks.py sums|add DIR   (writes DIR/train.jsonl and "
+                "usage: python demo/tasks.py sums|add|digits DIR   (writes DIR/train.jsonl and "
                 "DIR/heldout.jsonl)",
             )
         ]

@@ -36,8 +36,8 @@ STAGE_DIRS = (
 
 
 def _is_chain(response: str) -> bool:
-    """A worked answer: something inside <think> ... </think> (the chain-sum task's reasoning)."""
-    return response.startswith("<think>") and not response.startswith("<think></think>")
+    """A worked answer: one with a step "a+b=c" in it (a direct answer has none, in both tasks)."""
+    return "=" in response
 
 
 def recipe_report(folder: Path) -> str:
@@ -124,6 +124,120 @@ def recipe_report(folder: Path) -> str:
     return table
 
 
+def _per_problem(path: Path) -> list[float]:
+    """Each problem's pass rate over its k samples (eval_aime.py's per-sample JSONL)."""
+    hits: dict[int, list[float]] = {}
+    for line in open(path):
+        r = json.loads(line)
+        hits.setdefault(r["problem_idx"], []).append(float(r["reward"] == 1.0))
+    return [sum(h) / len(h) for _, h in sorted(hits.items())]
+
+
+def _mean_ci(xs: list[float]) -> tuple[float, float, float]:
+    """Mean and 95% CI over problems, the normal approximation eval_aime.py's summary uses."""
+    m = sum(xs) / len(xs)
+    sd = (sum((x - m) ** 2 for x in xs) / max(len(xs) - 1, 1)) ** 0.5
+    return m, m - 1.96 * sd / len(xs) ** 0.5, m + 1.96 * sd / len(xs) ** 0.5
+
+
+def seeds_report(folder: Path) -> str:
+    """The table over seeds of a folder of recipe folders (<folder>/seed*/, as `make smollm2-recipe
+    SEED=...` writes them) and <folder>/recipe.png; written to recipe.md too.
+
+    Held-out pass@1 per row: each problem's pass rate averaged over the seeds, its mean and 95% CI
+    over problems; a stage's gain over the row before: the mean of the per-problem differences (the
+    same problems and seeds on both sides), with its 95% CI over problems; the seeds' own pass@1
+    beside. Truncation and mean length are the held-out samples'; minutes are training's.
+    """
+    runs = sorted(p for p in folder.glob("seed*") if (p / "eval_base.summary.json").is_file())
+    names = ("base",) + STAGE_DIRS
+    rates = [[_per_problem(r / f"eval_{n}.jsonl") for n in names] for r in runs]
+    summ = [[json.loads((r / f"eval_{n}.summary.json").read_text()) for n in names] for r in runs]
+    metrics = [[read_metrics(r / n / "metrics.jsonl") for n in STAGE_DIRS] for r in runs]
+    caps = [
+        json.loads((runs[0] / n / "config.json").read_text())["max_new_tokens"] for n in STAGE_DIRS
+    ]
+    lines = [
+        f"{len(runs)} seeds ({', '.join(r.name for r in runs)}), {len(rates[0][0])} held-out "
+        f"problems x {summ[0][0]['k']} samples each (eval_aime.py, one cap for every row)\n",
+        "| row | response cap | held-out pass@1 (95% CI) | gain over the row before (95% CI) | "
+        "pass@1 per seed | truncated | mean length (tokens) | training minutes |",
+        "|" + "---|" * 8,
+    ]
+    for i, name in enumerate(names):
+        mean = [sum(r[i][j] for r in rates) / len(rates) for j in range(len(rates[0][i]))]
+        m, lo, hi = _mean_ci(mean)
+        gain = "-"
+        if i:
+            before = [sum(r[i - 1][j] for r in rates) / len(rates) for j in range(len(mean))]
+            g, glo, ghi = _mean_ci([a - b for a, b in zip(mean, before)])
+            gain = f"{g:+.3f} ({glo:+.3f} to {ghi:+.3f})"
+        per_seed = " / ".join(f"{s[i]['pass@1']:.3f}" for s in summ)
+        trunc = sum(s[i]["truncated_frac"] for s in summ) / len(summ)
+        length = sum(s[i]["mean_response_tokens"] for s in summ) / len(summ)
+        minutes = (
+            "-"
+            if not i
+            else f"{sum(m_[i - 1][-1]['elapsed'] for m_ in metrics) / len(metrics) / 60:.1f}"
+        )
+        lines.append(
+            f"| {'base' if not i else f'stage {i}'} | {'-' if not i else caps[i - 1]} | "
+            f"{m:.3f} ({lo:.3f} to {hi:.3f}) | {gain} | {per_seed} | {trunc:.2f} | {length:.1f} | "
+            f"{minutes} |"
+        )
+    table = "\n".join(lines)
+    (folder / "recipe.md").write_text(table + "\n")
+
+    fig = Figure(figsize=(12, 4))
+    axes = fig.subplots(1, 2)
+    bounds, offset = [0], 0
+    for stage in range(len(STAGE_DIRS)):
+        offset += min(len([r for r in m_[stage] if "reward_mean" in r]) for m_ in metrics)
+        bounds.append(offset)
+    for ax, key, title in (
+        (axes[0], "reward_mean", "pass@1: training samples (lines), held-out (points, 95% CI)"),
+        (axes[1], "response_len_mean", "mean response length (tokens)"),
+    ):
+        for k, m_ in enumerate(metrics):
+            rows = [r for stage in m_ for r in stage if "reward_mean" in r]
+            ax.plot(
+                range(1, len(rows) + 1), [r[key] for r in rows], lw=1, alpha=0.8, label=runs[k].name
+            )
+        for b in bounds[1:-1]:
+            ax.axvline(b + 0.5, color="grey", lw=0.8, ls=":")  # stage boundaries
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("GRPO step (stages 1 -> 2 -> 3)")
+        ax.grid(alpha=0.3)
+    held = [
+        _mean_ci([sum(r[i][j] for r in rates) / len(rates) for j in range(len(rates[0][i]))])
+        for i in range(len(names))
+    ]
+    axes[0].errorbar(
+        [b + 0.5 if b else 0 for b in bounds],
+        [h[0] for h in held],
+        yerr=[[h[0] - h[1] for h in held], [h[2] - h[0] for h in held]],
+        color="black",
+        marker="o",
+        capsize=4,
+        ls="--",
+        label="held-out, seeds' mean",
+    )
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=8)
+    steps = [s for s in range(1, bounds[-1] + 1)]
+    axes[1].step(
+        steps,
+        [caps[next(i for i in range(3) if s <= bounds[i + 1])] for s in steps],
+        where="mid",
+        ls="--",
+        color="black",
+        label="response cap",
+    )
+    axes[1].legend(fontsize=8)
+    save_png(fig, folder / "recipe.png")
+    return table
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__.split("\n\n")[0] + "\n\nusage: python tools/recipe.py FOLDER")
@@ -137,17 +251,19 @@ def main(argv: list[str]) -> None:
         ]
     )
     folder = Path(argv[0])
+    seeds = folder.is_dir() and any(folder.glob("seed*/eval_base.summary.json"))
     check(
         [
             (folder.is_dir(), f"{folder}: no such folder"),
             (
-                (folder / "eval_base.summary.json").is_file(),
-                f"{folder}: not a recipe folder (no eval_base.summary.json: make recipe writes it)",
+                seeds or (folder / "eval_base.summary.json").is_file(),
+                f"{folder}: not a recipe folder (no eval_base.summary.json, nor seed*/ folders "
+                "with one: make recipe and make smollm2-recipe write them)",
             ),
             (writable(folder), f"{folder}: cannot be written (the table and the PNG go there)"),
         ]
     )
-    print(recipe_report(folder))
+    print(seeds_report(folder) if seeds else recipe_report(folder))
 
 
 if __name__ == "__main__":
