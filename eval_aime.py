@@ -305,6 +305,7 @@ def main(cfg: EvalConfig, engine=None) -> dict:
     if not distributed.is_main():
         return {}
     out, tmp = Path(cfg.out), Path(cfg.out + ".tmp")
+    out.parent.mkdir(parents=True, exist_ok=True)  # validate() found it writable or creatable
     with open(tmp, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     tmp.replace(out)

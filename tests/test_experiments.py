@@ -309,3 +309,23 @@ def test_harness_runs_resumes_and_reports_what_the_metrics_say(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0 and "4 finished, 0 to run" in r.stdout, r.stdout + r.stderr
     assert before == {f: (Path(f) / "attempts.jsonl").read_text() for f in before}
+
+
+@needs_make
+def test_smollm2_recipe_setup_is_the_makefiles_stage_line(tmp_path):
+    """--setup smollm2-recipe's flags are `make smollm2-recipe`'s for that stage, plus the
+    comparison's evaluation and weights flags."""
+    import train
+    from test_recipe import make_commands
+
+    cmds = make_commands("smollm2-recipe", f"SR={tmp_path}", "SEED=0")
+    stages = [c[1:] for c in cmds if c[0] == "train.py"]
+    assert len(stages) == 3
+    for stage, argv in enumerate(stages, 1):
+        ours = train.parse_args(X.smollm2_recipe_setup(str(tmp_path / "seed0"), stage).split())
+        theirs = train.parse_args(argv)
+        for name in ("eval_every", "eval_samples", "save_final", "plot", "out_dir", "threads"):
+            setattr(ours.run, name, getattr(theirs.run, name))
+        ours.eval_prompts = theirs.eval_prompts
+        ours.prompt_template = theirs.prompt_template  # the same file, from another folder
+        assert ours == theirs, stage

@@ -193,7 +193,7 @@ def test_grpo_run_from_a_math_jsonl(vllm_engine, tmp_path):
 def test_eval_aime_writes_samples_and_a_table_whose_pass1_recounts(
     vllm_engine, tmp_path, tiny_path, capsys
 ):
-    out = tmp_path / "samples.jsonl"
+    out = tmp_path / "new" / "samples.jsonl"  # a folder that does not exist yet
     cfg = eval_aime.EvalConfig(
         model=tiny_path,
         data=str(FIX / "sum3_eval.jsonl"),

@@ -10,10 +10,12 @@ config), each evaluation with an HF engine of its own, instead of nine interpret
 engines.
 """
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
 
+import numpy as np
 import tyro
 
 from demo import bases
@@ -29,10 +31,16 @@ from conftest import make_dry_run, needs_make
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def make_commands(target: str, *variables: str) -> list[list[str]]:
+    """A Makefile target's command lines (`make -n`), each from its script on."""
+    lines = [shlex.split(x) for x in make_dry_run(target, *variables).splitlines() if x.strip()]
+    return [words[next(i for i, w in enumerate(words) if w.endswith(".py")) :] for words in lines]
+
+
 def recipe_commands(base: str, out: Path) -> list[list[str]]:
     """`make recipe`'s command lines (script first), with the tiny base, a scratch folder and 2
     steps per stage."""
-    text = make_dry_run(
+    return make_commands(
         "recipe",
         f"MODEL={base}",
         f"R={out}",
@@ -44,9 +52,6 @@ def recipe_commands(base: str, out: Path) -> list[list[str]]:
         "GROUP=4",
         "MINIBATCH=16",
     )
-    lines = [shlex.split(line) for line in text.splitlines() if line.strip()]
-    # from the script
-    return [words[next(i for i, w in enumerate(words) if w.endswith(".py")) :] for words in lines]
 
 
 @needs_make
@@ -108,3 +113,114 @@ def test_heldout_problems_are_not_in_the_pretraining_corpus():
     # the chain-practice pool hides exactly one token, the one where a chain and a direct answer
     # part
     assert all(len(ids) - sum(mask) - mask.index(1) == 1 for ids, mask in practice)
+
+
+def _differing(a, b) -> set[str]:
+    """The names of the fields where two configs differ, nested dataclasses included."""
+    names = set()
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        names |= (
+            _differing(x, y)
+            if dataclasses.is_dataclass(x)
+            else {f.name} - ({f.name} if x == y else set())
+        )
+    return names
+
+
+# what `make smollm2-recipe` may set beside --stage N: the Makefile's comment names them
+SMOLLM2_RECIPE_SCALE = {
+    "model", "answer", "prompt_template", "data", "val_data", "prompts_per_step", "warmup_steps",
+    "max_prompt_len", "activation_checkpointing", "micro_batch_tokens", "eval_every",
+    "checkpoint_every", "threads", "max_seq_len", "max_new_tokens", "lr", "steps", "out_dir",
+    "init_from", "seed",
+}  # fmt: skip
+
+
+@needs_make
+def test_smollm2_recipe_is_the_presets_at_a_smaller_scale(tmp_path):
+    """`make smollm2-recipe`'s three stages are `--stage 1|2|3` with only scale flags changed, each
+    from the previous stage's final weights, budgets growing 1 : 2 : 3 as the presets' 8K : 16K :
+    24K and the lr in the presets' ratio; eval_aime.py scores the base and every stage at one
+    cap."""
+    cmds = make_commands("smollm2-recipe", f"SR={tmp_path}", "SEED=1")
+    scripts = ["demo/tasks.py"] + ["eval_aime.py", "train.py"] * 3 + ["eval_aime.py"]
+    assert [c[0] for c in cmds] == scripts + ["tools/recipe.py"]
+    stages = [train.parse_args(c[1:]) for c in cmds if c[0] == "train.py"]
+    for n, cfg in enumerate(stages, 1):
+        preset = train.parse_args(["--stage", str(n)])
+        assert _differing(cfg, preset) <= SMOLLM2_RECIPE_SCALE, n
+        assert cfg.init_from == (
+            "" if n == 1 else str(tmp_path / "seed1" / f"s{n - 1}" / "final")
+        )
+        assert cfg.run.seed == 1 and cfg.run.model == "smollm2"
+        assert cfg.run.lr / stages[0].run.lr == preset.run.lr / train.STAGES[1]["lr"]
+    assert [c.max_new_tokens for c in stages] == [stages[0].max_new_tokens * k for k in (1, 2, 3)]
+    evals = [tyro.cli(eval_aime.EvalConfig, args=c[1:]) for c in cmds if c[0] == "eval_aime.py"]
+    assert {e.max_tokens for e in evals} == {stages[-1].max_new_tokens}
+    assert [e.model for e in evals] == ["smollm2"] + [
+        str(tmp_path / "seed1" / f"s{n}" / "final") for n in (1, 2, 3)
+    ]
+
+
+def test_digit_sums_split():
+    train_, heldout = tasks.digits_split()
+    held = [p.prompt for p in heldout]
+    assert len(held) == len(set(held)) == 200 and not set(held) & {p.prompt for p in train_}
+    terms = [p.prompt.count("+") + 1 for p in heldout]
+    # 50 of each length, shuffled: the 64 that in-training evaluations take hold every length
+    assert (
+        sorted(terms) == sorted([2, 3, 4, 5] * 50) and min(map(terms[:64].count, (2, 3, 4, 5))) > 5
+    )
+    for p in train_[:100] + heldout:
+        numbers = [int(x) for x in p.prompt.removeprefix("What is ").rstrip("?").split(" + ")]
+        assert all(1 <= x <= 9 for x in numbers) and str(sum(numbers)) == p.answer
+    assert tasks.digits_split()[1] == heldout  # fixed by its seed
+
+
+def test_report_over_seeds_pairs_the_stages_by_problem(tmp_path):
+    """tools/recipe.py on a folder of seed folders: each row's pass@1 and each stage's gain over
+    the row before, paired by problem, against a float64 computation."""
+    rng = np.random.default_rng(0)
+    n, k, seeds = 40, 4, 3
+    rates = rng.integers(0, k + 1, size=(seeds, 4, n))  # correct samples per seed, row, problem
+    for s in range(seeds):
+        run = tmp_path / f"seed{s}"
+        for row, name in enumerate(("base", "s1", "s2", "s3")):
+            rows = [
+                {"problem_idx": j, "reward": float(i < rates[s, row, j]), "tokens": 10 + row,
+                 "truncated": False}
+                for j in range(n) for i in range(k)
+            ]  # fmt: skip
+            run.mkdir(exist_ok=True)
+            summary = eval_aime.summarize(rows, n, k)
+            (run / f"eval_{name}.summary.json").write_text(json.dumps(summary))
+            if row:
+                (run / name).mkdir()
+                (run / name / "config.json").write_text(json.dumps({"max_new_tokens": 32 * row}))
+                (run / name / "metrics.jsonl").write_text(
+                    "".join(
+                        json.dumps(
+                            {
+                                "step": t,
+                                "reward_mean": 0.1 * row,
+                                "response_len_mean": 9.0,
+                                "truncated_frac": 0.5,
+                                "elapsed": 60.0 * t,
+                            }
+                        )
+                        + "\n"
+                        for t in (1, 2)
+                    )  # fmt: skip
+                )
+    recipe.main([str(tmp_path)])
+    table = (tmp_path / "recipe.md").read_text()
+    mean = rates.astype(np.float64).mean(axis=0) / k  # [row, problem]
+    for row in (1, 2, 3):
+        d = mean[row] - mean[row - 1]
+        half = 1.96 * d.std(ddof=1) / np.sqrt(n)
+        gain = f"{d.mean():+.3f} ({d.mean() - half:+.3f} to {d.mean() + half:+.3f})"
+        line = next(x for x in table.splitlines() if x.startswith(f"| stage {row} |"))
+        assert gain in line and f"| {32 * row} |" in line
+        assert f"{mean[row].mean():.3f} (" in line
+    assert (tmp_path / "recipe.png").stat().st_size > 0

@@ -9,6 +9,9 @@ under its held-out curve, and its time.
     # a stage of `make recipe`, from its checkpoint; the real model (`make smollm2`), KL or not
     python tools/experiments.py --setup recipe --stage 2 --preset loo
     python tools/experiments.py --setup smollm2 --preset kl --seeds 3
+    # a stage of the real model's recipe (`make smollm2-recipe`), from seed 0's checkpoint
+    python tools/experiments.py --setup smollm2-recipe --recipe-dir runs/smollm2-recipe/seed0 \
+        --stage 2 --variant "lr 3e-5=" "lr 1e-4=--lr 1e-4" --seeds 3
     # any set-up, another model
     python tools/experiments.py --model smollm2 --variant "base=" "loo=--leave-one-out"
 
@@ -107,6 +110,28 @@ def recipe_setup(folder: str, stage: int) -> str:
     return (
         f"--stage {stage} {scale} {own} --eval-every {10 if stage == 2 else 5} --eval-samples 4 "
         "--checkpoint-every 20 --keep-checkpoints 1 --no-save-final --no-plot"
+    )
+
+
+def smollm2_recipe_setup(folder: str, stage: int) -> str:
+    """`make smollm2-recipe`'s train.py flags for one stage (the Makefile's SRSCALE and that stage's
+    line; folder: one seed's folder, SR/seedN, its problems in SR/data), starting from the previous
+    stage's final weights, with held-out evaluations (64 problems x 4 samples, at the stage's cap)
+    at its start and end."""
+    template = shlex.quote(os.path.relpath(ROOT / "demo" / "smollm2-recipe-prompt.txt"))
+    data = Path(folder).parent / "data"
+    scale = (
+        f"--model smollm2 --answer last-number --prompt-template {template} "
+        "--prompts-per-step 16 --warmup-steps 2 --max-prompt-len 96 "
+        "--no-activation-checkpointing --micro-batch-tokens 1024 "
+        f"--data {data}/train.jsonl --val-data {data}/heldout.jsonl"
+    )
+    init = f"--init-from {folder}/s{stage - 1}/final " if stage > 1 else ""
+    own = {1: (128, 32, "3e-5", 8), 2: (160, 64, "3e-5", 10), 3: (192, 96, "7.5e-6", 4)}[stage]
+    return (
+        f"--stage {stage} {scale} {init}--max-seq-len {own[0]} --max-new-tokens {own[1]} "
+        f"--lr {own[2]} --steps {own[3]} --eval-every {own[3]} --eval-prompts 64 --eval-samples 4 "
+        "--checkpoint-every 0 --no-save-final --no-plot"
     )
 
 
@@ -212,12 +237,13 @@ class ExpConfig:
     ] = "loss"
     # NAME=FLAGS, one per variant ("base=" for none); the first is the reference
     variant: tuple[str, ...] = ()
-    # the demo task (train.py's defaults, 60 steps), a recipe stage, or the real model's (`make
-    # smollm2`, shortened)
-    setup: Literal["demo", "recipe", "smollm2"] = "demo"
-    # --setup recipe: the folder `make recipe` wrote (data/, s1/final, s2/final)
+    # the demo task (train.py's defaults, 60 steps), a recipe stage, the real model's (`make
+    # smollm2`, shortened), or a stage of its recipe (`make smollm2-recipe`)
+    setup: Literal["demo", "recipe", "smollm2", "smollm2-recipe"] = "demo"
+    # --setup recipe: the folder `make recipe` wrote (data/, s1/final, s2/final); --setup
+    # smollm2-recipe: one seed's folder of `make smollm2-recipe` (runs/smollm2-recipe/seed0)
     recipe_dir: str = "runs/recipe"
-    # --setup recipe: the stage, started from the previous stage's final weights
+    # --setup recipe, smollm2-recipe: the stage, started from the previous stage's final weights
     stage: Literal[1, 2, 3] = 2
     # --setup smollm2: its problem files are <dir>/data/*.jsonl, written if absent
     smollm2_dir: str = "runs/smollm2"
@@ -230,7 +256,7 @@ class ExpConfig:
     first_seed: int = 0  # the first seed of every variant
     threads: int = 1  # torch threads per run
     jobs: int = 0  # runs at once; 0 = the cores / --threads (with GPUs: at most one run per GPU)
-    out: str = ""  # the comparison's folder; default runs/exp/<setup> (runs/exp/recipe-s<stage>)
+    out: str = ""  # the comparison's folder; default runs/exp/<setup> (runs/exp/<setup>-s<stage>)
     # file names of the table and PNG; default the preset's name, or "compare" with --variant
     name: str = ""
     dry_run: bool = False  # print the runs' commands and what is finished, run nothing
@@ -405,17 +431,14 @@ def setup_flags(cfg: ExpConfig) -> str:
             # `python demo/tasks.py add DIR`
             tasks.write_problems(str(data), *tasks.add_split(), "two-digit addition")
         return smollm2_setup(cfg.smollm2_dir)
-    d = cfg.recipe_dir
-    need = (
-        Path(d) / "data" / "train.jsonl"
-        if cfg.stage == 1
-        else Path(d) / f"s{cfg.stage - 1}" / "final"
-    )
+    d, real = cfg.recipe_dir, cfg.setup == "smollm2-recipe"
+    need = Path(d) / f"s{cfg.stage - 1}" / "final"
+    if cfg.stage == 1:
+        need = Path(d) / ("../data" if real else "data") / "train.jsonl"
     if not need.exists():
-        fail(
-            f"--setup recipe --stage {cfg.stage}: {need} not found (`make recipe R={d}` writes it)"
-        )
-    return recipe_setup(d, cfg.stage)
+        make = f"make smollm2-recipe SR={Path(d).parent}" if real else f"make recipe R={d}"
+        fail(f"--setup {cfg.setup} --stage {cfg.stage}: {need} not found (`{make}` writes it)")
+    return (smollm2_recipe_setup if real else recipe_setup)(d, cfg.stage)
 
 
 def plan(cfg: ExpConfig) -> tuple[Path, str, list[tuple[str, str]], list[Run]]:
@@ -442,7 +465,7 @@ def plan(cfg: ExpConfig) -> tuple[Path, str, list[tuple[str, str]], list[Run]]:
     )
     base = shlex.split(common) + extra
     default_out = {"demo": "runs/exp/demo", "smollm2": "runs/exp/smollm2"}.get(
-        cfg.setup, f"runs/exp/recipe-s{cfg.stage}"
+        cfg.setup, f"runs/exp/{cfg.setup}-s{cfg.stage}"
     )
     out = Path(cfg.out or default_out)
     problem = train_error(shlex.split(setup) + extra + ["--out-dir", str(out / "runs" / "x")])

@@ -124,15 +124,6 @@ def recipe_report(folder: Path) -> str:
     return table
 
 
-def _per_problem(path: Path) -> list[float]:
-    """Each problem's pass rate over its k samples (eval_aime.py's per-sample JSONL)."""
-    hits: dict[int, list[float]] = {}
-    for line in open(path):
-        r = json.loads(line)
-        hits.setdefault(r["problem_idx"], []).append(float(r["reward"] == 1.0))
-    return [sum(h) / len(h) for _, h in sorted(hits.items())]
-
-
 def _mean_ci(xs: list[float]) -> tuple[float, float, float]:
     """Mean and 95% CI over problems, the normal approximation eval_aime.py's summary uses."""
     m = sum(xs) / len(xs)
@@ -151,8 +142,9 @@ def seeds_report(folder: Path) -> str:
     """
     runs = sorted(p for p in folder.glob("seed*") if (p / "eval_base.summary.json").is_file())
     names = ("base",) + STAGE_DIRS
-    rates = [[_per_problem(r / f"eval_{n}.jsonl") for n in names] for r in runs]
     summ = [[json.loads((r / f"eval_{n}.summary.json").read_text()) for n in names] for r in runs]
+    # each problem's pass rate over its k samples
+    rates = [[[c / s["k"] for c in s["correct"]] for s in row] for row in summ]
     metrics = [[read_metrics(r / n / "metrics.jsonl") for n in STAGE_DIRS] for r in runs]
     caps = [
         json.loads((runs[0] / n / "config.json").read_text())["max_new_tokens"] for n in STAGE_DIRS
