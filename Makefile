@@ -110,8 +110,8 @@ smollm2: $(STAMP)
 SR ?= runs/smollm2-recipe
 SEED ?= 0
 SSTEPS1 ?= 8
-SSTEPS2 ?= 10
-SSTEPS3 ?= 4
+SSTEPS2 ?= 6
+SSTEPS3 ?= 2
 SK ?= 2
 SD = $(SR)/seed$(SEED)
 SRSCALE = --model smollm2 --answer last-number --prompt-template demo/smollm2-recipe-prompt.txt --prompts-per-step 16 \

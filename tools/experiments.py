@@ -127,7 +127,7 @@ def smollm2_recipe_setup(folder: str, stage: int) -> str:
         f"--data {data}/train.jsonl --val-data {data}/heldout.jsonl"
     )
     init = f"--init-from {folder}/s{stage - 1}/final " if stage > 1 else ""
-    own = {1: (128, 32, "3e-5", 8), 2: (160, 64, "3e-5", 10), 3: (192, 96, "7.5e-6", 4)}[stage]
+    own = {1: (128, 32, "3e-5", 8), 2: (160, 64, "3e-5", 6), 3: (192, 96, "7.5e-6", 2)}[stage]
     return (
         f"--stage {stage} {scale} {init}--max-seq-len {own[0]} --max-new-tokens {own[1]} "
         f"--lr {own[2]} --steps {own[3]} --eval-every {own[3]} --eval-prompts 64 --eval-samples 4 "

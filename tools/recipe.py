@@ -1,15 +1,18 @@
-"""The math recipe in miniature's report (`make recipe`): one markdown table and one PNG from its
-run folder.
+"""The recipe's report (`make recipe`, `make smollm2-recipe`): one markdown table and one PNG from
+its run folder, or from a folder of seeds' run folders.
 
 What it does: `python tools/recipe.py runs/recipe` reads what `make recipe` wrote (eval_aime.py's
 summary and samples for the base and after each stage, each stage's metrics.jsonl and config.json)
 and writes runs/recipe/recipe.md, a table with one row per model (held-out pass@1 with its 95% CI,
-how often the held-out answers are chains, lengths, truncation, reward and minutes per stage) and
+how often the held-out answers are worked, lengths, truncation, reward and minutes per stage) and
 runs/recipe/recipe.png (training reward, response length against its cap, truncated fraction,
-held-out pass@1 across the three stages).
+held-out pass@1 across the three stages). `python tools/recipe.py runs/smollm2-recipe`, a folder of
+seed*/ run folders (`make smollm2-recipe SEED=N`), writes the table over seeds (each row's pass@1,
+each stage's gain paired by problem, with 95% CIs) and a PNG of pass@1 and response length against
+steps, the stage boundaries marked.
 
-What it does not do: run the recipe (the Makefile's `recipe` target does), or define its task
-(demo/tasks.py: the chain sums) or its base (demo/bases.py: tiny-math).
+What it does not do: run the recipe (the Makefile's targets do), or define its tasks
+(demo/tasks.py) or bases (demo/bases.py).
 """
 
 import json
