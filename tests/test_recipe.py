@@ -222,5 +222,6 @@ def test_report_over_seeds_pairs_the_stages_by_problem(tmp_path):
         gain = f"{d.mean():+.3f} ({d.mean() - half:+.3f} to {d.mean() + half:+.3f})"
         line = next(x for x in table.splitlines() if x.startswith(f"| stage {row} |"))
         assert gain in line and f"| {32 * row} |" in line
+        assert line.endswith("| 0.50, 9.0 | 2.0 |")  # the last step's truncation, length, minutes
         assert f"{mean[row].mean():.3f} (" in line
     assert (tmp_path / "recipe.png").stat().st_size > 0

@@ -70,7 +70,8 @@ def recipe_report(folder: Path) -> str:
         )
         evals.append((offset, summ["pass@1"], lo, hi))
         if name == "base":
-            lines.append(f"| 0 | base (`tiny-math`) | - | - | {held} | - | - | - | - |")
+            base = json.loads((folder / "s1" / "config.json").read_text())["run"]["model"]
+            lines.append(f"| 0 | base (`{Path(base).name}`) | - | - | {held} | - | - | - | - |")
             continue
         rows = [r for r in read_metrics(folder / name / "metrics.jsonl") if "reward_mean" in r]
         cfg = json.loads((folder / name / "config.json").read_text())
@@ -156,7 +157,8 @@ def seeds_report(folder: Path) -> str:
         f"{len(runs)} seeds ({', '.join(r.name for r in runs)}), {len(rates[0][0])} held-out "
         f"problems x {summ[0][0]['k']} samples each (eval_aime.py, one cap for every row)\n",
         "| row | response cap | held-out pass@1 (95% CI) | gain over the row before (95% CI) | "
-        "pass@1 per seed | truncated | mean length (tokens) | training minutes |",
+        "pass@1 per seed | held-out truncated, mean length | training's last step: truncated, "
+        "mean length | training minutes |",
         "|" + "---|" * 8,
     ]
     for i, name in enumerate(names):
@@ -170,15 +172,18 @@ def seeds_report(folder: Path) -> str:
         per_seed = " / ".join(f"{s[i]['pass@1']:.3f}" for s in summ)
         trunc = sum(s[i]["truncated_frac"] for s in summ) / len(summ)
         length = sum(s[i]["mean_response_tokens"] for s in summ) / len(summ)
-        minutes = (
-            "-"
-            if not i
-            else f"{sum(m_[i - 1][-1]['elapsed'] for m_ in metrics) / len(metrics) / 60:.1f}"
-        )
+        last = [[r for r in m_[i - 1] if "reward_mean" in r][-1] for m_ in metrics] if i else []
+        train = "-"
+        if i:
+            train = (
+                f"{sum(r['truncated_frac'] for r in last) / len(last):.2f}, "
+                f"{sum(r['response_len_mean'] for r in last) / len(last):.1f}"
+            )
+        minutes = "-" if not i else f"{sum(r['elapsed'] for r in last) / len(last) / 60:.1f}"
         lines.append(
             f"| {'base' if not i else f'stage {i}'} | {'-' if not i else caps[i - 1]} | "
-            f"{m:.3f} ({lo:.3f} to {hi:.3f}) | {gain} | {per_seed} | {trunc:.2f} | {length:.1f} | "
-            f"{minutes} |"
+            f"{m:.3f} ({lo:.3f} to {hi:.3f}) | {gain} | {per_seed} | {trunc:.2f}, {length:.1f} | "
+            f"{train} | {minutes} |"
         )
     table = "\n".join(lines)
     (folder / "recipe.md").write_text(table + "\n")
