@@ -205,6 +205,17 @@ def seeds_report(folder: Path) -> str:
             )
         for b in bounds[1:-1]:
             ax.axvline(b + 0.5, color="grey", lw=0.8, ls=":")  # stage boundaries
+        for k in range(len(STAGE_DIRS)):
+            ax.text(
+                (bounds[k] + bounds[k + 1]) / 2 + 0.5,
+                0.97,
+                f"stage {k + 1}",
+                ha="center",
+                va="top",
+                transform=ax.get_xaxis_transform(),
+                fontsize=8,
+                color="grey",
+            )
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("GRPO step (stages 1 -> 2 -> 3)")
         ax.grid(alpha=0.3)
@@ -233,6 +244,7 @@ def seeds_report(folder: Path) -> str:
         color="black",
         label="response cap",
     )
+    axes[1].set_ylim(0, caps[-1] * 1.15)
     axes[1].legend(fontsize=8)
     save_png(fig, folder / "recipe.png")
     return table
