@@ -98,15 +98,17 @@ smollm2: $(STAMP)
 
 # The recipe on a real model (docs/recipe.md, "On a real model"): `make recipe`'s three stage commands, the same
 # --stage presets, on SmolLM2-135M-Instruct (--model smollm2) and sums of 2 to 5 digits ("What is 5 + 8 + 3 + 6?",
-# `python demo/tasks.py digits`) after a one-shot prompt that works them one addition at a time
+# `python demo/tasks.py digits`) after a one-shot prompt that works its example one addition at a time
 # (demo/smollm2-recipe-prompt.txt), scored by the last number (--answer last-number). Overridden, only for scale:
-#   model, data, prompt; 16 prompts per step (the presets' 128 x 8 would take hours a step here); responses capped
-#   at SCAP1 / SCAP2 / SCAP3 tokens for the presets' 8K / 16K / 24K, prompts <= 96 tokens for their 1024; steps;
-#   --warmup-steps 2; lr 3e-5, 3e-5, 7.5e-6 (`make smollm2`'s 3e-5 and the presets' ratio); dynamic sampling
-#   (without it most groups score all 0 at first and a stage is too short to learn: docs/log.md); micro-batches
-#   of 1,024 tokens. eval_aime.py scores the base and each stage's end on the 200 held-out problems at one cap, the
-#   longest stage's, as DeepScaleR scores every stage at one length. SEED names the run (SR/seed$(SEED)); after
-#   SEED=0, 1 and 2, `python tools/recipe.py SR` writes the table over seeds and its PNG.
+#   model, data, prompt; 16 prompts per step (the presets' 128 x 8 would take an hour a step here); responses capped
+#   at 32 / 64 / 96 tokens for the presets' 8K / 16K / 24K (32 hold the working of 2 or 3 digits, not of 4 or 5),
+#   prompts <= 96 tokens for their 1024; 8 / 6 / 2 steps (stage 2's KL, the preset's 1e-3, makes every sample run:
+#   ~100 s a step); --warmup-steps 2; lr 3e-5, 3e-5, 7.5e-6 (`make smollm2`'s 3e-5, the presets' ratio); no
+#   activation checkpointing (rows of ~100 tokens: it would only cost time); micro-batches of 1,024 tokens.
+# eval_aime.py scores the base and each stage's end on the 200 held-out problems (SK = 2 samples each, T = 0.6) at
+# one cap, the longest stage's, as DeepScaleR scores every stage at one length. SEED names the run (SR/seedN) and
+# is its --seed; after SEED=0, 1 and 2, `python tools/recipe.py SR` writes the table over seeds and its PNG.
+# The choices that did not work: docs/log.md. One stage's flags compared: tools/experiments.py --setup smollm2-recipe.
 SR ?= runs/smollm2-recipe
 SEED ?= 0
 SSTEPS1 ?= 8
