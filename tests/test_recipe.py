@@ -150,9 +150,7 @@ def test_smollm2_recipe_is_the_presets_at_a_smaller_scale(tmp_path):
     for n, cfg in enumerate(stages, 1):
         preset = train.parse_args(["--stage", str(n)])
         assert _differing(cfg, preset) <= SMOLLM2_RECIPE_SCALE, n
-        assert cfg.init_from == (
-            "" if n == 1 else str(tmp_path / "seed1" / f"s{n - 1}" / "final")
-        )
+        assert cfg.init_from == ("" if n == 1 else str(tmp_path / "seed1" / f"s{n - 1}" / "final"))
         assert cfg.run.seed == 1 and cfg.run.model == "smollm2"
         assert cfg.run.lr / stages[0].run.lr == preset.run.lr / train.STAGES[1]["lr"]
     assert [c.max_new_tokens for c in stages] == [stages[0].max_new_tokens * k for k in (1, 2, 3)]
@@ -222,6 +220,6 @@ def test_report_over_seeds_pairs_the_stages_by_problem(tmp_path):
         gain = f"{d.mean():+.3f} ({d.mean() - half:+.3f} to {d.mean() + half:+.3f})"
         line = next(x for x in table.splitlines() if x.startswith(f"| stage {row} |"))
         assert gain in line and f"| {32 * row} |" in line
-        assert line.endswith("| 0.50, 9.0 | 2.0 |")  # the last step's truncation, length, minutes
+        assert line.endswith("| 0.50, 9.0 |")  # the last step's truncation and length
         assert f"{mean[row].mean():.3f} (" in line
     assert (tmp_path / "recipe.png").stat().st_size > 0

@@ -142,7 +142,7 @@ def seeds_report(folder: Path) -> str:
     Held-out pass@1 per row: each problem's pass rate averaged over the seeds, its mean and 95% CI
     over problems; a stage's gain over the row before: the mean of the per-problem differences (the
     same problems and seeds on both sides), with its 95% CI over problems; the seeds' own pass@1
-    beside. Truncation and mean length are the held-out samples'; minutes are training's.
+    beside; truncation and mean length of the held-out samples and of the training's last step.
     """
     runs = sorted(p for p in folder.glob("seed*") if (p / "eval_base.summary.json").is_file())
     names = ("base",) + STAGE_DIRS
@@ -156,10 +156,9 @@ def seeds_report(folder: Path) -> str:
     lines = [
         f"{len(runs)} seeds ({', '.join(r.name for r in runs)}), {len(rates[0][0])} held-out "
         f"problems x {summ[0][0]['k']} samples each (eval_aime.py, one cap for every row)\n",
-        "| row | response cap | held-out pass@1 (95% CI) | gain over the row before (95% CI) | "
-        "pass@1 per seed | held-out truncated, mean length | training's last step: truncated, "
-        "mean length | training minutes |",
-        "|" + "---|" * 8,
+        "| row | cap | held-out pass@1 (95% CI) | gain (95% CI) | per seed | held-out truncated, "
+        "length | last step's truncated, length |",
+        "|" + "---|" * 7,
     ]
     for i, name in enumerate(names):
         mean = [sum(r[i][j] for r in rates) / len(rates) for j in range(len(rates[0][i]))]
@@ -179,11 +178,10 @@ def seeds_report(folder: Path) -> str:
                 f"{sum(r['truncated_frac'] for r in last) / len(last):.2f}, "
                 f"{sum(r['response_len_mean'] for r in last) / len(last):.1f}"
             )
-        minutes = "-" if not i else f"{sum(r['elapsed'] for r in last) / len(last) / 60:.1f}"
         lines.append(
             f"| {'base' if not i else f'stage {i}'} | {'-' if not i else caps[i - 1]} | "
             f"{m:.3f} ({lo:.3f} to {hi:.3f}) | {gain} | {per_seed} | {trunc:.2f}, {length:.1f} | "
-            f"{train} | {minutes} |"
+            f"{train} |"
         )
     table = "\n".join(lines)
     (folder / "recipe.md").write_text(table + "\n")
