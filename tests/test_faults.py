@@ -148,7 +148,7 @@ def test_every_entry_point_checks_its_flags_and_inputs_before_loading_anything(t
         (logs.main, ([str(tmp_path / "no-run")],), "no-run: no such run folder"),
         (logs.main, ([str(empty)],), f"{empty}: no metrics.jsonl"),
         (recipe.main, ([str(empty)],), f"{empty}: not a recipe folder"),
-        (tasks.main, (["sum", str(empty)],), "usage: python demo/tasks.py sums|add DIR"),
+        (tasks.main, (["sum", str(empty)],), "usage: python demo/tasks.py sums|add|digits DIR"),
         (bench.main, (bench.BenchConfig(steps=1),), "--steps 1: must be at least 2"),
         (bench.main, (bench.BenchConfig(group_size=1),), "--group-size 1"),
         (
