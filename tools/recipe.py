@@ -147,41 +147,45 @@ def seeds_report(folder: Path) -> str:
     runs = sorted(p for p in folder.glob("seed*") if (p / "eval_base.summary.json").is_file())
     names = ("base",) + STAGE_DIRS
     summ = [[json.loads((r / f"eval_{n}.summary.json").read_text()) for n in names] for r in runs]
-    # each problem's pass rate over its k samples
-    rates = [[[c / s["k"] for c in s["correct"]] for s in row] for row in summ]
-    metrics = [[read_metrics(r / n / "metrics.jsonl") for n in STAGE_DIRS] for r in runs]
+    # [row][seed][problem]: each problem's pass rate over its k samples
+    rates = [[[c / s[i]["k"] for c in s[i]["correct"]] for s in summ] for i in range(len(names))]
+    pooled = [[sum(p) / len(p) for p in zip(*row)] for row in rates]  # [row][problem]: seeds' mean
+    held = [_mean_ci(p) for p in pooled]
+    # [seed][stage]: the training steps' rows
+    metrics = [
+        [
+            [x for x in read_metrics(run / n / "metrics.jsonl") if "reward_mean" in x]
+            for n in STAGE_DIRS
+        ]
+        for run in runs
+    ]
     caps = [
         json.loads((runs[0] / n / "config.json").read_text())["max_new_tokens"] for n in STAGE_DIRS
     ]
     lines = [
-        f"{len(runs)} seeds ({', '.join(r.name for r in runs)}), {len(rates[0][0])} held-out "
+        f"{len(runs)} seeds ({', '.join(r.name for r in runs)}), {len(pooled[0])} held-out "
         f"problems x {summ[0][0]['k']} samples each (eval_aime.py, one cap for every row)\n",
         "| row | cap | held-out pass@1 (95% CI) | gain (95% CI) | per seed | held-out truncated, "
         "length | last step's truncated, length |",
         "|" + "---|" * 7,
     ]
-    for i, name in enumerate(names):
-        mean = [sum(r[i][j] for r in rates) / len(rates) for j in range(len(rates[0][i]))]
-        m, lo, hi = _mean_ci(mean)
-        gain = "-"
-        if i:
-            before = [sum(r[i - 1][j] for r in rates) / len(rates) for j in range(len(mean))]
-            g, glo, ghi = _mean_ci([a - b for a, b in zip(mean, before)])
-            gain = f"{g:+.3f} ({glo:+.3f} to {ghi:+.3f})"
+    for i in range(len(names)):
+        m, lo, hi = held[i]
         per_seed = " / ".join(f"{s[i]['pass@1']:.3f}" for s in summ)
         trunc = sum(s[i]["truncated_frac"] for s in summ) / len(summ)
         length = sum(s[i]["mean_response_tokens"] for s in summ) / len(summ)
-        last = [[r for r in m_[i - 1] if "reward_mean" in r][-1] for m_ in metrics] if i else []
-        train = "-"
+        row, cap, gain, train = "base", "-", "-", "-"
         if i:
+            g, glo, ghi = _mean_ci([a - b for a, b in zip(pooled[i], pooled[i - 1])])
+            last = [m_[i - 1][-1] for m_ in metrics]
+            row, cap, gain = f"stage {i}", caps[i - 1], f"{g:+.3f} ({glo:+.3f} to {ghi:+.3f})"
             train = (
                 f"{sum(r['truncated_frac'] for r in last) / len(last):.2f}, "
                 f"{sum(r['response_len_mean'] for r in last) / len(last):.1f}"
             )
         lines.append(
-            f"| {'base' if not i else f'stage {i}'} | {'-' if not i else caps[i - 1]} | "
-            f"{m:.3f} ({lo:.3f} to {hi:.3f}) | {gain} | {per_seed} | {trunc:.2f}, {length:.1f} | "
-            f"{train} |"
+            f"| {row} | {cap} | {m:.3f} ({lo:.3f} to {hi:.3f}) | {gain} | {per_seed} | "
+            f"{trunc:.2f}, {length:.1f} | {train} |"
         )
     table = "\n".join(lines)
     (folder / "recipe.md").write_text(table + "\n")
@@ -190,14 +194,14 @@ def seeds_report(folder: Path) -> str:
     axes = fig.subplots(1, 2)
     bounds, offset = [0], 0
     for stage in range(len(STAGE_DIRS)):
-        offset += min(len([r for r in m_[stage] if "reward_mean" in r]) for m_ in metrics)
+        offset += min(len(m_[stage]) for m_ in metrics)
         bounds.append(offset)
     for ax, key, title in (
         (axes[0], "reward_mean", "pass@1: training samples (lines), held-out (points, 95% CI)"),
         (axes[1], "response_len_mean", "mean response length (tokens)"),
     ):
         for k, m_ in enumerate(metrics):
-            rows = [r for stage in m_ for r in stage if "reward_mean" in r]
+            rows = [r for stage in m_ for r in stage]
             ax.plot(
                 range(1, len(rows) + 1), [r[key] for r in rows], lw=1, alpha=0.8, label=runs[k].name
             )
@@ -217,10 +221,6 @@ def seeds_report(folder: Path) -> str:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("GRPO step (stages 1 -> 2 -> 3)")
         ax.grid(alpha=0.3)
-    held = [
-        _mean_ci([sum(r[i][j] for r in rates) / len(rates) for j in range(len(rates[0][i]))])
-        for i in range(len(names))
-    ]
     axes[0].errorbar(
         [b + 0.5 if b else 0 for b in bounds],
         [h[0] for h in held],
@@ -233,10 +233,9 @@ def seeds_report(folder: Path) -> str:
     )
     axes[0].set_ylim(0, 1)
     axes[0].legend(fontsize=8)
-    steps = [s for s in range(1, bounds[-1] + 1)]
     axes[1].step(
-        steps,
-        [caps[next(i for i in range(3) if s <= bounds[i + 1])] for s in steps],
+        range(1, bounds[-1] + 1),
+        [c for k, c in enumerate(caps) for _ in range(bounds[k + 1] - bounds[k])],
         where="mid",
         ls="--",
         color="black",
