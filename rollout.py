@@ -207,8 +207,10 @@ class VLLMEngine:
         samples do not depend on how the list was split, and two ranks never draw the same noise.
         vLLM gives child j of a request seeded s the seed s + j, so prompt seeds are n apart: no two
         samples share a stream. On GPU (vLLM's model runner V2) seeded requests cost nothing extra:
-        its sampler's noise is a hash of (seed, position), for all rows at once. Seeds are taken
-        modulo 2^31 and shifted past the indices, so that two seeds never overlap.
+        its sampler's noise is a hash of (seed, position), for all rows at once. On CPU each
+        request draws from a torch.Generator, which keeps a seed's low 32 bits only, so `seed` is
+        spread over those bits (Knuth's multiplicative hash): two seeds' streams overlap only if
+        their bases fall within one call's samples of each other, a chance of about samples / 2^32.
         """
         # here, not at the top: HFEngine needs no vLLM installed
         from vllm import SamplingParams, TokensPrompt
@@ -217,7 +219,7 @@ class VLLMEngine:
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep: load_weights (the refit) wakes it")
         caps = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-        base = None if seed is None else (seed % 2**31) << 32
+        base = None if seed is None else seed * 2654435761 % 2**32
         sps = [
             SamplingParams(
                 n=n,

@@ -186,6 +186,21 @@ def test_neighbouring_prompts_never_share_a_random_stream(vllm_engine, tok, firs
     assert [s.token_ids for s in again] == [s.token_ids for s in samples]  # seeded: reproducible
 
 
+def test_two_seeds_draw_different_samples(vllm_engine, tok):
+    # a CPU generator keeps a seed's low 32 bits: seeds that differ only above them draw alike
+    p = prompts_of(tok, 1)[0]
+    draws = [
+        [
+            s.token_ids
+            for s in vllm_engine.generate(
+                [p], n=2, max_tokens=16, temperature=2.0, min_tokens=16, seed=seed
+            )
+        ]
+        for seed in (0, 1, 2**31 + 1)
+    ]
+    assert draws[0] != draws[1] and draws[1] != draws[2] and draws[0] != draws[2]
+
+
 def test_per_prompt_streams_do_not_depend_on_the_split(vllm_engine, tok):
     # what one engine draws for prompts [a, b] is what two engines draw for [a] (index 0) and [b]
     # (index 1), and a prompt at another index (another rank's share) draws other samples
