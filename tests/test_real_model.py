@@ -60,7 +60,7 @@ FLAGS = [
     "1",
     "--quiet",
 ]
-# SmolLM2 answers it, greedily, within 32 tokens
+# SmolLM2 answers it within 32 tokens: greedily, and in most samples
 SHORT = "Reply with one word: is seven larger than three?"
 
 # the reward the run is given: it keeps every text it is handed, and scores a response by its
@@ -87,7 +87,7 @@ lp, gen, mask = test_rollout.trainer_logprobs(model.load_model(path), prompts, s
 mm = grpo.mismatch_metrics(gen, lp, mask)
 short = tok.apply_chat_template([{{"role": "user", "content": {short!r}}}],
                                 add_generation_prompt=True, tokenize=True, return_dict=False)
-answers = engine.generate([short], n=1, max_tokens=32, temperature=0.0)
+answers = engine.generate([short], n=8, max_tokens=32, seed=0)  # a few steps may make one ramble
 answers = [[s.token_ids, s.logprobs, s.truncated] for s in answers]
 mpe = float(mm.token_mult_prob_error / mask.sum())
 print("RESULT", json.dumps({{"mpe": mpe, "answers": answers}}))
@@ -275,7 +275,7 @@ def test_checkpoint_resume_export_and_the_export_in_transformers_and_vllm(runs, 
 def test_responses_stop_at_im_end_and_the_reward_never_sees_special_tokens(runs, tok):
     answers = [rollout.Sample(0, ids, lps, trunc) for ids, lps, trunc in runs["loaded"]["answers"]]
     ended = [s for s in answers if not s.truncated]
-    # SHORT is answered and ended within 32 tokens
+    # SHORT is answered and ended within 32 tokens, in some of 8 samples
     assert ended, [tok.decode(s.token_ids) for s in answers]
     for s in ended:
         assert s.token_ids[-1] == tok.eos_token_id == 2 and 2 not in s.token_ids[:-1]
@@ -292,7 +292,8 @@ def test_responses_stop_at_im_end_and_the_reward_never_sees_special_tokens(runs,
         [],
     )
     train.score(task, [0], answers, len(answers))
-    assert len(texts) == 1 and len(runs["seen"]) == 2 * 4  # 2 prompts x 2 samples, 2 steps
+    # the run's reward saw 2 prompts x 2 samples, 2 steps
+    assert len(texts) == len(answers) and len(runs["seen"]) == 2 * 4
     for text in texts + runs["seen"]:
         assert (
             "<|im_end|>" not in text and "<|im_start|>" not in text and "<|endoftext|>" not in text
