@@ -115,11 +115,11 @@ class Config:
     top_p: float = 1.0  # nucleus sampling; keep 1.0 for training (the trainer does not renormalize)
     # DAPO: mask truncated responses out of the loss (they still count in the baseline)
     overlong_filter: bool = False
-    # DAPO's soft overlong punishment: a response longer than --max-new-tokens minus this many
-    # tokens loses --overlong-buffer-penalty x its excess / this from its reward
-    # (reward.overlong_penalty); 0 = off
+    # DAPO's soft overlong punishment: a response longer than its limit (--max-new-tokens, or
+    # what its prompt leaves of --max-seq-len when less) minus this many tokens loses
+    # --overlong-buffer-penalty x its excess / this from its reward (overlong_shaping); 0 = off
     overlong_buffer_length: int = 0
-    overlong_buffer_penalty: float = 1.0  # what a response of --max-new-tokens tokens loses
+    overlong_buffer_penalty: float = 1.0  # what a response cut off at its limit loses
     # DAPO: drop groups with all-equal rewards, draw more prompts to refill the batch
     dynamic_sampling: bool = False
     # generation rounds per step before training on what was kept
@@ -219,7 +219,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         engine.sleep()  # on GPU the trainer takes the engine's memory; load_weights wakes it
         runtime.reset_peak_memory(device)  # peak_mem_gib: the trainer's peak, steps 4-6
         # 4. advantages [P, G] from each group's rewards, and the trainer's padded batch
-        adv = advantages(groups.rewards, cfg, groups.samples)
+        adv = advantages(groups.rewards, cfg, groups.samples, groups.prompts)
         b = batch.make_batch(
             groups.prompts, groups.samples, adv.flatten(), cfg.overlong_filter, pad
         )
@@ -402,16 +402,15 @@ def budget(cfg: Config, prompt: list[int]) -> int:
 # Step 4: advantages
 
 
-def advantages(rewards: torch.Tensor, cfg: Config, samples=()) -> torch.Tensor:
+def advantages(rewards: torch.Tensor, cfg: Config, samples=(), prompts=()) -> torch.Tensor:
     """Step 4: each sample's advantage [P, G] from its group's rewards [P, G] (grpo.py); with
     --adv-scale batch, scaled by the sample std of every reward of the step over all ranks. With
     --overlong-buffer-length each reward first gets DAPO's overlong punishment for its sample's
-    length (samples: [P * G], prompt-major); dynamic sampling judged the rewards before it, as
-    NeMo-RL's does. --adv-estimator grpo_passk: verl's pass@k advantages."""
+    length (overlong_shaping; samples: [P * G], prompt-major, of `prompts`); dynamic sampling
+    judged the rewards before it, as NeMo-RL's does. --adv-estimator grpo_passk: verl's pass@k
+    advantages."""
     if cfg.overlong_buffer_length:
-        args = cfg.max_new_tokens, cfg.overlong_buffer_length, cfg.overlong_buffer_penalty
-        shaping = [reward.overlong_penalty(len(s.token_ids), *args) for s in samples]
-        rewards = rewards + torch.tensor(shaping).view_as(rewards)
+        rewards = rewards + overlong_shaping(cfg, prompts, samples).view_as(rewards)
     if cfg.loss.adv_estimator == "grpo_passk":
         return grpo.passk_advantages(rewards, cfg.loss.adv_scale)
     std = None
@@ -424,6 +423,26 @@ def advantages(rewards: torch.Tensor, cfg: Config, samples=()) -> torch.Tensor:
         ).tolist()
         std = max((s2 - s1 * s1 / n) / max(n - 1, 1), 0.0) ** 0.5
     return grpo.group_advantages(rewards, cfg.loss.leave_one_out, cfg.loss.adv_scale, batch_std=std)
+
+
+def overlong_shaping(cfg: Config, prompts: list[list[int]], samples) -> torch.Tensor:
+    """[len(samples)] DAPO's overlong punishment of each sample (reward.overlong_penalty), measured
+    from the response's own limit, budget(): what its prompt leaves of --max-seq-len, at most
+    --max-new-tokens. A response cut off at its limit loses --overlong-buffer-penalty whatever its
+    prompt's length, as in DAPO, verl and NeMo-RL (measured from --max-new-tokens, a response of a
+    long prompt would stop before the buffer and escape the penalty). A limit shorter than the
+    buffer is all buffer.
+
+    Example (--max-seq-len 12, --max-new-tokens 8, buffer 4): prompts of 2 and 6 tokens, responses
+    of 8 and 6 tokens, each at its limit -> [-1., -1.]."""
+    out = []
+    for s in samples:
+        cap = budget(cfg, prompts[s.prompt_idx])
+        buffer = min(cfg.overlong_buffer_length, cap)
+        out.append(
+            reward.overlong_penalty(len(s.token_ids), cap, buffer, cfg.overlong_buffer_penalty)
+        )
+    return torch.tensor(out, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------

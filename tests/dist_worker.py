@@ -148,7 +148,7 @@ def update(
         for i in [s.prompt_idx]
         if i in share
     ]
-    adv = train.advantages(rewards[list(share)], cfg, my_samples)
+    adv = train.advantages(rewards[list(share)], cfg, my_samples, [prompts[i] for i in share])
     b = batch.make_batch(
         [prompts[i] for i in share],
         my_samples,

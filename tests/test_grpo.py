@@ -391,6 +391,38 @@ def test_overlong_penalty_against_trl_and_nemo_rl_and_past_the_limit():
     assert reward.overlong_penalty(26, 20, 6) == -2.0 and ref_overlong(26, 20, 6, 1.0) == -1.0
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3, 4])
+@pytest.mark.parametrize("penalty", [1.0, 0.5])
+def test_a_response_cut_off_at_its_own_limit_loses_the_whole_penalty_for_any_prompt(stage, penalty):
+    # the stage presets (--max-seq-len == --max-new-tokens, prompts up to 1024 tokens): a response
+    # stops at what its prompt leaves, and there it loses the whole penalty, as in DAPO, verl and
+    # NeMo-RL; lengths inside the buffer against eq. 13 measured from that same limit
+    import train
+    from rollout import Sample
+
+    flags = ["--stage", str(stage), "--overlong-buffer-length", "1024"]
+    cfg = train.parse_args([*flags, "--overlong-buffer-penalty", str(penalty)])
+    for n_prompt in (1, 100, 500, 1000, 1024):
+        cap = min(cfg.max_new_tokens, cfg.max_seq_len - n_prompt)
+        lengths = [cap, cap - 1, cap - 512, cap - 1024, cap - 1025, 1]
+        samples = [Sample(0, [7] * n, [0.0] * n, n == cap) for n in lengths]
+        got = train.overlong_shaping(cfg, [[1] * n_prompt], samples).double()
+        want = [ref_overlong(n, cap, 1024, penalty) for n in lengths]
+        assert got[0] == -penalty, (stage, n_prompt)
+        assert got.tolist() == pytest.approx(want, abs=1e-6), (stage, n_prompt)
+
+
+def test_a_limit_shorter_than_the_buffer_is_all_buffer():
+    import train
+    from rollout import Sample
+
+    cfg = train.parse_args(["--max-seq-len", "12", "--max-new-tokens", "8"])
+    cfg.overlong_buffer_length = 8
+    samples = [Sample(0, [7] * n, [0.0] * n, False) for n in (0, 2, 4)]  # the limit: 12 - 8 = 4
+    got = train.overlong_shaping(cfg, [[1] * 8], samples).double()
+    assert got.tolist() == pytest.approx([0.0, -0.5, -1.0], abs=1e-7)
+
+
 def ref_passk(rewards, scale, eps):
     """Per group: the best sample's margin over the second best (0 on a tie), over the group's
     sample std with scale group; 0 for every other sample."""
