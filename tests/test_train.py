@@ -572,3 +572,31 @@ def test_high_entropy_tokens_are_trls_the_top_q_of_every_loss_token(q):
     counted = [e for row, m in zip(ent4.tolist(), mask) for e, k in zip(row, m) if k]
     at = ref_quantile(counted, 1 - q)
     assert got.tolist() == ((ent4 >= at).float() * b.loss_mask).tolist()
+
+
+def test_the_quantile_is_torchs_below_its_limit_and_exact_above_it():
+    # below 2^24 values: torch.quantile's value, bit for bit (sizes, ties, q at the ends)
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 10, 1001, 65536):
+        for x in (torch.rand(n, generator=g), torch.randint(0, 5, (n,), generator=g).float()):
+            for q in (0.0, 0.2, 0.5, 0.8, 0.999, 1.0):
+                assert train.quantile(x, q) == torch.quantile(x.double(), q), (n, q)
+
+
+def test_high_entropy_tokens_past_torch_quantiles_limit_of_2_to_the_24():
+    # 2^24 + 2 loss tokens in one minibatch (torch.quantile: "input tensor is too large"): the
+    # entropies a permutation of 0 .. M - 1, whose (1 - q) quantile is (1 - q)(M - 1) itself
+    M, q = 2**24 + 2, 0.2
+    ent = torch.randperm(M, generator=torch.Generator().manual_seed(0)).double().view(2, M // 2)
+    ones = torch.ones(2, M // 2)
+    b = batch.Batch(
+        input_ids=torch.zeros(2, 1, dtype=torch.long), attention_mask=torch.ones(2, 1),
+        resp_start=torch.zeros(2, dtype=torch.long), resp_mask=ones, gen_logp=ones,
+        advantages=torch.ones(2), loss_mask=ones, truncated=torch.zeros(2, dtype=torch.bool),
+        lengths=[M // 2] * 2, rows=[0, 1],
+    )  # fmt: skip
+    cfg = config(train.Config, group_size=2, prompts_per_step=1, top_entropy_quantile=q)
+    got = train.high_entropy(b, ent, cfg, 0)
+    at = (1 - q) * (M - 1)  # in float64, as exact as the quantile
+    assert int(got.sum()) == M - math.ceil(at)
+    assert torch.equal(got.bool(), ent >= at)
