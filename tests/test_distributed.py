@@ -371,13 +371,14 @@ SKIPS = {
     "truncated-is": (12, 2, 1e-3, "adamw", "ppo", 0, "rank1-uniform", {"is_correction": "tis"}),
     "lora": (12, 2, 1e-3, "adamw", "ppo", 2, "rank1-uniform", {}),
     # the entropy bonus does not vanish with A: every row runs; the high-entropy tokens' quantile
-    # counts the tokens of A != 0 only, the same with and without skipping
+    # counts every loss token, A = 0 or not (the old pass runs every row), with or without skipping
     "entropy-bonus": (12, 2, 1e-3, "adamw", "ppo", 0, "rank1-uniform", {"entropy_coeff": 0.01}),
     "top-entropy": (12, 2, 1e-3, "adamw", "ppo", 0, "graded", {"top_entropy_quantile": 0.5}),
     "entropy-lora-gspo": (12, 2, 1e-3, "adamw", "gspo", 2, "graded",
                           {"entropy_coeff": 0.01, "top_entropy_quantile": 0.5}),
-    # Clip-Cov and KL-Cov count every token: every row runs; the picks (Clip-Cov's a draw) over the
-    # minibatch on every rank, the same at any world size
+    # Clip-Cov and KL-Cov pick among every token (the old pass runs every row; KL-Cov's update too,
+    # Clip-Cov's only the rows of A != 0); the picks (Clip-Cov's a draw) over the minibatch on
+    # every rank, the same at any world size
     "clip-cov": (12, 2, 1e-3, "adamw", "clip_cov", 0, "graded",
                  {"clip_cov_ratio": 0.2, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0}),
     "kl-cov": (12, 2, 1e-3, "adamw", "kl_cov", 0, "rank1-uniform", {"kl_cov_ratio": 0.2}),
