@@ -127,8 +127,8 @@ class Config:
     # samples whose advantage is exactly 0 (a group whose rewards are all equal) run no forward or
     # backward in the update: their loss and gradient are exactly 0, so the weights after the step
     # are the same, in less time (the loss's normalizers still count them); off: computed anyway.
-    # Not with --kl-beta, --entropy-coeff or --pg clip_cov|kl_cov, whose terms do not vanish with
-    # the advantage
+    # Not with --kl-beta, --entropy-coeff or --pg kl_cov, whose terms do not vanish with the
+    # advantage
     skip_zero_advantage: bool = True
     # a group's samples share their prompt's tokens: the trainer's forward and backward compute
     # them once per pack of samples (one row: the prompt, then each response seeing only the
@@ -255,7 +255,7 @@ def load_policy_and_ref(cfg: Config, path: str, device):
     )
     if cfg.skip_zero_advantage and dense(cfg):  # batch.trained_rows
         distributed.print0(
-            "--kl-beta / --entropy-coeff / --pg clip_cov|kl_cov: every sample with loss tokens "
+            "--kl-beta / --entropy-coeff / --pg kl_cov: every sample with loss tokens "
             "runs forward and backward in the update (their terms do not vanish with the advantage)"
         )
     if cfg.loss.kl_beta == 0:
@@ -473,9 +473,11 @@ def plan(m, b: Batch, rows: list[int], cfg: Config, skip: bool) -> list[Batch]:
 
 
 def dense(cfg: Config) -> bool:
-    """Whether the loss has a term that does not vanish with the advantage (the KL term, the entropy
-    bonus, KL-Cov's penalty), or counts every token (Clip-Cov's covariance)."""
-    return cfg.loss.kl_beta > 0 or cfg.loss.entropy_coeff != 0 or cfg.loss.pg in grpo.COVARIANCE
+    """Whether the loss has a term that does not vanish with the advantage: the KL term, the entropy
+    bonus, KL-Cov's penalty. Clip-Cov's loss is PPO's with some tokens' terms zeroed, A times
+    something finite: a row of A = 0 adds 0 and is skipped in the update (its tokens still count
+    in the covariance: old_logprobs' pass runs every row)."""
+    return cfg.loss.kl_beta > 0 or cfg.loss.entropy_coeff != 0 or cfg.loss.pg == "kl_cov"
 
 
 def n_minibatches(cfg: Config) -> int:
@@ -492,7 +494,8 @@ def old_logprobs(
     the base, which is the start model. With --top-entropy-quantile < 1 the policy's pass also
     gives the old entropy, and b.top marks each minibatch's high-entropy tokens (high_entropy;
     first_group: Groups.first_group). With --pg clip_cov or kl_cov it gives the logprobs b.picked
-    is chosen by (covariance_picks; Clip-Cov draws from a stream of the step's own).
+    is chosen by (covariance_picks; Clip-Cov draws from a stream of the step's own). Both choose
+    among every loss token, A = 0 or not, so this pass runs every row with loss tokens.
 
     With one minibatch old_logp stays None and costs no pass: the policy has not moved before its
     only update, so the update's own forward, detached, gives the old logprobs (update_policy); the
@@ -512,7 +515,8 @@ def old_logprobs(
         cfg.loss.top_entropy_quantile < 1,
         cfg.loss.pg in grpo.COVARIANCE,
     )
-    old = pass_over(policy, skip=not top, entropy=top) if n > 1 or top or cov else None
+    # skipped rows get no old logprobs (0), unless the quantile or the covariance counts them
+    old = pass_over(policy, skip=not (top or cov), entropy=top) if n > 1 or top or cov else None
     b = replace(
         b,
         old_logp=old[0] if n > 1 else None,

@@ -600,3 +600,46 @@ def test_high_entropy_tokens_past_torch_quantiles_limit_of_2_to_the_24():
     at = (1 - q) * (M - 1)  # in float64, as exact as the quantile
     assert int(got.sum()) == M - math.ceil(at)
     assert torch.equal(got.bool(), ent >= at)
+
+
+def test_clip_cov_skips_zero_advantage_rows_in_the_update_not_in_the_old_pass(tiny_path, tok):
+    # Clip-Cov's loss is PPO's with the picked tokens' terms zeroed: a row of A = 0 adds exactly 0,
+    # so the update skips it, while the covariance the picks come from counts every loss token:
+    # the old pass runs every row. Two minibatches (the second's ratio is not 1), float64: the
+    # weights equal those of computing every row
+    g = torch.Generator().manual_seed(5)
+    P, G = 4, 3
+    prompts = [tok(f"{a}+{a + 2}=")["input_ids"] for a in range(P)]
+    samples = [
+        rollout.Sample(i, torch.randint(4, 30, (n,), generator=g).tolist(), [-1.0] * n, False)
+        for i in range(P)
+        for n in torch.randint(2, 6, (G,), generator=g).tolist()
+    ]
+    adv = torch.randn(P * G, generator=g, dtype=torch.float64)
+    adv[[3, 4, 5, 7]] = 0.0  # a uniform group, and a sample at its group's mean
+    b = batch.make_batch(prompts, samples, adv, False, tok.pad_token_id)
+    b = replace(b, gen_logp=b.gen_logp.double())
+    flags = dict(clip_cov_ratio=0.2, clip_cov_lb=-10.0, clip_cov_ub=10.0, micro_batch_tokens=24)
+    cpu, weights = torch.device("cpu"), {}
+    for skip in (True, False):
+        cfg = config(
+            train.Config, prompts_per_step=P, group_size=G, minibatch_size=6, pg="clip_cov",
+            lr=1e-2, weight_decay=0.0, skip_zero_advantage=skip, **flags,
+        )  # fmt: skip
+        policy = model.load_trainable(tiny_path, cpu, False, dtype=torch.float64)
+        old = train.old_logprobs(policy, None, b, cfg, cpu)
+        # the old pass covered every row; the picks include tokens of A = 0 rows
+        assert (old.old_logp * old.loss_mask != 0).sum(1).tolist() == old.loss_mask.sum(1).tolist()
+        assert old.picked[adv == 0].any() and old.picked[adv != 0].any()
+        ran = sorted(r for mb in train.plan(policy, old, old.rows, cfg, skip=True) for r in mb.rows)
+        assert ran == ([i for i in range(P * G) if adv[i] != 0] if skip else list(range(P * G)))
+        opt = torch.optim.SGD(policy.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        upd = train.update_policy(policy, opt, sched, old, cfg, cpu)
+        assert upd.seqs == len(ran)
+        weights[skip] = {n: p.detach().clone() for n, p in policy.lm.named_parameters()}
+    start = model.load_trainable(tiny_path, cpu, False, dtype=torch.float64)
+    moved = max((weights[False][n] - p).abs().max() for n, p in start.lm.named_parameters())
+    assert moved > 1e-5  # the update did something
+    for name in weights[False]:
+        assert torch.allclose(weights[True][name], weights[False][name], rtol=0, atol=1e-13), name
