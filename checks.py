@@ -141,6 +141,13 @@ def grpo_flags(cfg, world: int) -> None:
                 f"--temperature {cfg.temperature}: must be positive for GRPO sampling",
             ),
             (not loss_error, loss_error),
+            (  # the penalty |logp - old_logp| has gradient 0 at ratio 1, the only update's
+                cfg.loss.pg != "kl_cov"
+                or 0 < cfg.minibatch_size < cfg.prompts_per_step * cfg.group_size,
+                "--pg kl_cov: with one minibatch a step's only update runs at ratio 1, where "
+                "KL-Cov's penalty has no gradient (plain policy gradient): set --minibatch-size "
+                f"below prompts_per_step * group_size = {cfg.prompts_per_step * cfg.group_size}",
+            ),
             (
                 not cfg.init_from or os.path.isfile(os.path.join(cfg.init_from, "config.json")),
                 f"--init-from {cfg.init_from}: not an HF checkpoint folder (no config.json)",

@@ -524,6 +524,23 @@ VERL_COV = {
 }  # fmt: skip
 
 
+def test_kl_cov_at_ratio_one_is_plain_policy_gradient():
+    # why train.py refuses --pg kl_cov with one minibatch: there the update's old logprobs are its
+    # own, detached (ratio 1), and |logp - old_logp| has gradient 0 however large ppo_kl_coef is
+    logp0, _, adv, mask = random_inputs(4)[:4]
+    grads = []
+    for coef in (0.0, 100.0):
+        logp = logp0.clone().requires_grad_(True)
+        cfg = grpo.LossConfig(pg="kl_cov", kl_cov_ratio=1.0, ppo_kl_coef=coef)
+        picked = torch.ones_like(logp)  # every token
+        loss, _ = grpo.policy_loss(
+            logp, logp.detach(), adv, mask, cfg, float(mask.sum()), picked=picked
+        )
+        loss.backward()
+        grads.append(logp.grad)
+    assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
+
+
 @pytest.mark.parametrize("pg", list(VERL_COV))
 def test_clip_cov_and_kl_cov_against_verl(pg):
     """The picks from the logprobs verl picks with (its current policy's; train.covariance_picks

@@ -275,6 +275,8 @@ def test_bad_flags_fail_with_one_line_before_any_model_loads(monkeypatch, tmp_pa
         (dict(answer="last-number"), "--answer last-number: chooses how the math task's reward"),
         (dict(overlong_buffer_length=9), "--overlong-buffer-length 9"),
         (dict(adv_estimator="grpo_passk", leave_one_out=True), "--adv-estimator grpo_passk"),
+        (dict(pg="kl_cov"), "--pg kl_cov: with one minibatch"),
+        (dict(pg="kl_cov", minibatch_size=256), "set --minibatch-size below"),
     ]:
         with pytest.raises(UserError) as e:
             train.train(config(train.Config, out_dir=str(tmp_path), **flags))
