@@ -126,7 +126,9 @@ def heldout_accuracy(
 ) -> dict:
     """The held-out figures a training run logs (GRPO and DPO): heldout_pass1 = mean reward over k
     samples per prompt at `temperature`, with its 95% CI over prompts as summarize() gives it
-    (heldout_pass1_ci95_low, _high), heldout_greedy = mean reward of one greedy response per prompt.
+    (heldout_pass1_ci95_low, _high), heldout_greedy = mean reward of one greedy response per prompt,
+    and over the k samples heldout_response_len_mean (tokens) and heldout_truncated_frac (those cut
+    off at their limit), as the training rows' response_len_mean and truncated_frac.
     Each engine (rank, or group of `tp` tensor-parallel ranks sending identical requests) takes its
     share; a collective. Each prompt's samples come from streams of its own, seeded by its index in
     `prompts`: independent across ranks, and the same figures at any world size. max_tokens: one
@@ -160,6 +162,7 @@ def heldout_accuracy(
         per_prompt[x.prompt_idx] += r / k
     counted = float(distributed.rank() % tp == 0)
     sums = [sum(s), sum(g), sum(per_prompt), sum(p * p for p in per_prompt), len(mine)]
+    sums += [sum(len(x.token_ids) for x in sampled), sum(x.truncated for x in sampled)]
     tot = distributed.all_reduce_sum(counted * torch.tensor(sums, dtype=torch.float64)).tolist()
     n = tot[4]  # prompts: k samples and one greedy response each
     if not n:
@@ -172,6 +175,8 @@ def heldout_accuracy(
         "heldout_pass1_ci95_low": mean - half,
         "heldout_pass1_ci95_high": mean + half,
         "heldout_greedy": tot[1] / n,
+        "heldout_response_len_mean": tot[5] / (k * n),
+        "heldout_truncated_frac": tot[6] / (k * n),
     }
 
 

@@ -94,7 +94,10 @@ PANELS = [  # (title, [(metric, label)])
             ("heldout_pref_acc", "preference accuracy (DPO)"),
         ],
     ),
-    ("response length (tokens)", [("response_len_mean", "mean")]),
+    (
+        "response length (tokens)",
+        [("response_len_mean", "mean"), ("heldout_response_len_mean", "held-out mean")],
+    ),
     (
         "KL to reference / engine",
         [

@@ -645,3 +645,23 @@ def test_clip_cov_skips_zero_advantage_rows_in_the_update_not_in_the_old_pass(ti
     assert moved > 1e-5  # the update did something
     for name in weights[False]:
         assert torch.allclose(weights[True][name], weights[False][name], rtol=0, atol=1e-13), name
+
+
+def test_heldout_rows_carry_the_mean_length_and_truncated_fraction_of_the_samples(tiny_path, tok):
+    # the held-out pass's k samples, as the training rows count theirs: mean tokens, fraction cut
+    # off at the limit (per-prompt limits 1 and 40: some cut, some not); against the same seeded
+    # samples drawn again and counted here
+    import eval_aime
+
+    engine = rollout.HFEngine(tiny_path)
+    prompts = [tok(f"{a}+{a + 1}+2=")["input_ids"] for a in range(4)]
+    caps, k = [1, 40, 1, 40], 3
+    row = eval_aime.heldout_accuracy(
+        engine, tok, prompts, ["0"] * 4, lambda text, gold: 0.0, k, caps, 1.0, seed=7
+    )
+    again = engine.generate(prompts, n=k, max_tokens=caps, temperature=1.0, seed=7)
+    lengths = [len(x.token_ids) for x in again]
+    cut = [x.truncated for x in again]
+    assert 0 < sum(cut) < len(cut)
+    assert row["heldout_response_len_mean"] == pytest.approx(sum(lengths) / len(lengths), 1e-12)
+    assert row["heldout_truncated_frac"] == pytest.approx(sum(cut) / len(cut), abs=1e-12)
