@@ -219,7 +219,9 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
         engine.sleep()  # on GPU the trainer takes the engine's memory; load_weights wakes it
         runtime.reset_peak_memory(device)  # peak_mem_gib: the trainer's peak, steps 4-6
         # 4. advantages [P, G] from each group's rewards, and the trainer's padded batch
-        adv = advantages(groups.rewards, cfg, groups.samples, groups.prompts)
+        adv = advantages(
+            groups.rewards, cfg, groups.samples, groups.prompts, shape=not groups.fallback
+        )
         b = batch.make_batch(
             groups.prompts, groups.samples, adv.flatten(), cfg.overlong_filter, pad
         )
@@ -283,6 +285,9 @@ class Groups:
     # the step-wide index of this rank's first group (minibatches are made of whole groups)
     first_group: int
     reward_errors: int  # this step's samples a --reward FILE:FUNCTION failed on (scored 0)
+    # the one group of an engine whose dynamic sampling kept none: measured, not trained (its
+    # rewards, all equal, are not shaped: advantage 0)
+    fallback: bool = False
 
 
 def collect_groups(
@@ -303,8 +308,9 @@ def collect_groups(
     (DAPO), groups whose rewards are all equal are dropped and more rounds drawn until every engine
     has its share of informative groups or the tries run out; all ranks make the same number of
     rounds. A rank whose part is empty trains nothing this step (FSDP's stand-ins keep it in step),
-    except that an engine that kept nothing gives its first rank one uniform group (advantage 0),
-    so that every step has rows to measure.
+    except that an engine that kept nothing gives its first rank one uniform group (advantage 0,
+    Groups.fallback: the overlong punishment would make its rewards differ, and a group dynamic
+    sampling rejected would train), so that every step has rows to measure.
     """
     world, tp, G = distributed.world_size(), cfg.tensor_parallel_size, cfg.group_size
     per_engine, per_rank = cfg.prompts_per_step // (world // tp), cfg.prompts_per_step // world
@@ -343,6 +349,7 @@ def collect_groups(
         rounds=rounds,
         first_group=distributed.rank() * per_rank,
         reward_errors=errors if tp_rank == 0 else 0,
+        fallback=not kept and bool(mine),
     )
 
 
@@ -402,14 +409,16 @@ def budget(cfg: Config, prompt: list[int]) -> int:
 # Step 4: advantages
 
 
-def advantages(rewards: torch.Tensor, cfg: Config, samples=(), prompts=()) -> torch.Tensor:
+def advantages(
+    rewards: torch.Tensor, cfg: Config, samples=(), prompts=(), shape: bool = True
+) -> torch.Tensor:
     """Step 4: each sample's advantage [P, G] from its group's rewards [P, G] (grpo.py); with
     --adv-scale batch, scaled by the sample std of every reward of the step over all ranks. With
     --overlong-buffer-length each reward first gets DAPO's overlong punishment for its sample's
-    length (overlong_shaping; samples: [P * G], prompt-major, of `prompts`); dynamic sampling
-    judged the rewards before it, as NeMo-RL's does. --adv-estimator grpo_passk: verl's pass@k
-    advantages."""
-    if cfg.overlong_buffer_length:
+    length (overlong_shaping; samples: [P * G], prompt-major, of `prompts`), unless `shape` is off
+    (a group dynamic sampling rejected: Groups.fallback); dynamic sampling judged the rewards
+    before it, as NeMo-RL's does. --adv-estimator grpo_passk: verl's pass@k advantages."""
+    if cfg.overlong_buffer_length and shape:
         rewards = rewards + overlong_shaping(cfg, prompts, samples).view_as(rewards)
     if cfg.loss.adv_estimator == "grpo_passk":
         return grpo.passk_advantages(rewards, cfg.loss.adv_scale)

@@ -259,6 +259,36 @@ def test_overlong_punishment_gives_a_signal_where_the_reward_has_none(tmp_path, 
     assert 0 < row["trained_frac"] <= (1.0 if estimator == "grpo" else 1 / 4)
 
 
+def test_a_group_dynamic_sampling_rejected_does_not_train_when_shaping_makes_it_informative(
+    tmp_path,
+):
+    # a reward that is always 0: dynamic sampling keeps no group, and the step measures on one of
+    # the uniform groups it rejected; the overlong punishment makes its shaped rewards differ, but
+    # a group dynamic sampling rejected has advantage 0: nothing trains
+    (tmp_path / "zero.py").write_text("def reward(response, gold):\n    return 0.0\n")
+    cfg = config(
+        train.Config,
+        engine="hf",
+        steps=1,
+        eval_every=0,
+        prompts_per_step=4,
+        group_size=4,
+        reward=f"{tmp_path / 'zero.py'}:reward",
+        overlong_buffer_length=8,
+        temperature=2.5,  # responses of many lengths
+        dynamic_sampling=True,
+        dynamic_sampling_max_tries=1,
+        out_dir=str(tmp_path / "run"),
+        quiet=True,
+        save_final=False,
+        plot=False,
+    )
+    row = train.train(cfg)["history"][1]
+    assert row["zero_var_group_frac"] == 1.0 and row["seqs"] == 4  # one uniform group measured
+    assert 0 < row["truncated_frac"] < 1  # lengths differ: so do their shaped rewards
+    assert row["trained_frac"] == 0.0 and row["adv_std"] == 0.0
+
+
 def test_bad_flags_fail_with_one_line_before_any_model_loads(monkeypatch, tmp_path):
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the config was validated")
