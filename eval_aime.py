@@ -180,6 +180,16 @@ def heldout_accuracy(
     }
 
 
+def kv_cache_gib(cfg: EvalConfig, shape: memory.Shape, seqs: int, max_len: int) -> float:
+    """The CPU engine's KV cache: room for this engine's `seqs` samples of up to `max_len` tokens
+    at once, within half the memory free now, and never less than one sequence of `max_len` (vLLM
+    refuses to start an engine whose cache cannot hold one, a rank with no prompts too)."""
+    width, tp = 2 if cfg.dtype in ("bfloat16", "float16") else 4, cfg.tensor_parallel_size
+    need, one = (memory.engine_kv_cache_gib(shape, n, max_len, width, tp) for n in (seqs, 1))
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return max(min(need, max(free / 2 / distributed.local_world_size(), 1.0)), one)
+
+
 def validate(cfg: EvalConfig, world: int) -> None:
     """One line naming the bad flag, before any model or engine loads."""
     check(
@@ -255,13 +265,10 @@ def main(cfg: EvalConfig, engine=None) -> dict:
             device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu",
         )
     elif own_engine:
-        kv = {}  # CPU: room for this engine's samples at once, within half the memory free now
+        kv = {}  # CPU: room for this engine's samples at once (kv_cache_gib)
         if not cuda:
             shape = memory.Shape.from_config(path, cfg.trust_remote_code)
-            width = 2 if cfg.dtype in ("bfloat16", "float16") else 4
-            need = memory.engine_kv_cache_gib(shape, (last - first) * cfg.k, max_len, width, tp)
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-            kv["kv_cache_gib"] = min(need, max(free / 2 / distributed.local_world_size(), 1.0))
+            kv["kv_cache_gib"] = kv_cache_gib(cfg, shape, (last - first) * cfg.k, max_len)
         engine = rollout.VLLMEngine(
             path,
             **kv,

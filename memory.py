@@ -113,8 +113,10 @@ def engine_kv_cache_gib(
     blocks of 128 tokens: room for every sequence of the step, so that none is preempted and
     recomputed (a fixed 1 GiB held 1.04 GiB of SmolLM2's float32 K/V at 16 x 8 x 186 tokens). vLLM
     keeps one block for itself (its null block), and on CPU runs at most 256 sequences a worker at
-    once; a worker holds 1 / tp of the KV heads (rounded up: replicated where there are fewer)."""
-    blocks = min(seqs, 256 * tp) * -(-seq_len // 128) + 1
+    once; a worker holds 1 / tp of the KV heads (rounded up: replicated where there are fewer).
+    Never room for less than one sequence: an engine with nothing to generate (an evaluation rank
+    with no prompts) still has to start."""
+    blocks = max(min(seqs, 256 * tp), 1) * -(-seq_len // 128) + 1
     head_dim = s.head_dim or s.hidden // s.heads
     per_token = 2 * s.layers * -(-s.kv_heads // tp) * head_dim * dtype_bytes
     return blocks * 128 * per_token / GiB
@@ -293,14 +295,29 @@ def table(s: Shape, lengths=(8192, 16384, 24576), **kw) -> str:
 # The pre-flight of a GRPO run: its memory need against the machine's, before any model loads
 
 
-def kv_cache_gib(cfg, s: Shape, world: int, dtype_bytes: int, seq_len: int = 0) -> float:
-    """A GRPO run's (train.Config) --kv-cache-gib, else room for the sequences one engine holds in
-    a step (P / engines x G of `seq_len` tokens, default --max-seq-len), each of its
-    tensor-parallel ranks a 1 / TP part of the heads."""
+def kv_cache_gib(
+    cfg, s: Shape, world: int, dtype_bytes: int, seq_len: int = 0, heldout: tuple = ()
+) -> float:
+    """A GRPO run's (train.Config) --kv-cache-gib, else room for the most sequences one engine
+    holds at once, each of its tensor-parallel ranks a 1 / TP part of the heads: a step's (P /
+    engines x G of `seq_len` tokens, default --max-seq-len), or with --eval-every a held-out
+    pass's (its share of `heldout` = (prompts, their longest sequence), default (--eval-prompts,
+    --max-seq-len), x --eval-samples), and at least one sequence of --max-seq-len: vLLM refuses to
+    start an engine whose cache cannot hold one sequence of its max_model_len (and points at
+    gpu_memory_utilization, which sizes nothing on CPU)."""
+    if cfg.kv_cache_gib:
+        return cfg.kv_cache_gib
     tp = cfg.tensor_parallel_size
-    seqs = cfg.prompts_per_step // max(world // tp, 1) * cfg.group_size
-    L = seq_len or cfg.max_seq_len
-    return cfg.kv_cache_gib or engine_kv_cache_gib(s, seqs, L, dtype_bytes, tp)
+    engines = max(world // tp, 1)
+    size = lambda seqs, L: engine_kv_cache_gib(s, seqs, L, dtype_bytes, tp)  # noqa: E731
+    need = [
+        size(cfg.prompts_per_step // engines * cfg.group_size, seq_len or cfg.max_seq_len),
+        size(1, cfg.max_seq_len),
+    ]
+    if cfg.run.eval_every:
+        prompts, L = heldout or (cfg.eval_prompts, cfg.max_seq_len)
+        need.append(size(-(-prompts // engines) * cfg.run.eval_samples, L))
+    return max(need)
 
 
 def need_gib(cfg, s: Shape, world: int, checkpointing: bool, micro_batch_tokens: int) -> float:

@@ -440,11 +440,20 @@ def make_engine(cfg, task, dtype: torch.dtype, device) -> Engine:
         )
     tp = cfg.tensor_parallel_size
     kv = {}  # on GPU the KV cache is what --gpu-memory-utilization leaves: no config read for it
-    if device.type == "cpu":  # the longest sequence a step can make: its longest prompt, in full
-        longest = min(max(map(len, task.train_prompts)) + cfg.max_new_tokens, cfg.max_seq_len)
+    if device.type == "cpu":  # the longest sequences a step and a held-out pass can make
+        longest = lambda prompts: min(  # noqa: E731
+            max(map(len, prompts), default=0) + cfg.max_new_tokens, cfg.max_seq_len
+        )
         shape = memory.Shape.from_config(path, cfg.run.trust_remote_code)
-        world = distributed.world_size()
-        kv["kv_cache_gib"] = memory.kv_cache_gib(cfg, shape, world, dtype.itemsize, longest)
+        world, held = distributed.world_size(), task.heldout_prompts
+        kv["kv_cache_gib"] = memory.kv_cache_gib(
+            cfg,
+            shape,
+            world,
+            dtype.itemsize,
+            longest(task.train_prompts),
+            (len(held), longest(held)),
+        )
     return VLLMEngine(
         path,
         max_model_len=cfg.max_seq_len,

