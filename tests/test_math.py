@@ -289,3 +289,33 @@ def test_no_held_out_problem_is_in_its_training_set(tmp_path, tiny_path):
         train_rows, heldout_rows, _ = dpo.load_preferences(config(dpo.DPOConfig, **flags))
         assert len(heldout_rows) >= 10 and len(train_rows) > len(heldout_rows), flags
         assert not {r.prompt for r in train_rows} & {r.prompt for r in heldout_rows}, flags
+
+
+def test_the_gpu_engine_compiles_as_nemo_rls_deepscaler_recipe():
+    # what vllm.LLM would get on a GPU, read on CPU: every stage preset's colocated engine and
+    # eval_aime.py's lone one compile vLLM's graph with the eager backend and every custom op but
+    # RoPE's (NeMo-RL's compilation_config), CUDA graphs on (no enforce_eager); each key is one
+    # vLLM's LLM keeps (it drops unknown ones silently) and vLLM's CompilationConfig accepts it
+    import dataclasses
+
+    import torch
+    from vllm.config import CompilationConfig
+
+    import rollout
+
+    nemo = {"backend": "eager", "custom_ops": ["all", "-rotary_embedding"]}
+    engines = [
+        rollout.engine_args(train.parse_args(["--stage", str(n)]), "m", torch.bfloat16)
+        for n in sorted(train.STAGES)
+    ]
+    engines.append(eval_aime.engine_args(eval_aime.EvalConfig(model="m", data="d"), "m", 33000))
+    init = {f.name for f in dataclasses.fields(CompilationConfig) if f.init}
+    for args in engines:
+        gpu = rollout.vllm_kwargs(**args, on_cpu=False)
+        assert gpu["compilation_config"] == nemo and not gpu.get("enforce_eager", False), args
+        assert set(gpu["compilation_config"]) <= init
+        c = CompilationConfig(**gpu["compilation_config"])
+        assert (c.backend, c.custom_ops) == ("eager", ["all", "-rotary_embedding"])
+        # the CPU engine as before: eager PyTorch, no compilation
+        cpu = rollout.vllm_kwargs(**args, on_cpu=True)
+        assert cpu["enforce_eager"] is True and "compilation_config" not in cpu

@@ -11,9 +11,9 @@
 #            working tree carries (a device runner's extra paths), not with the tracked files
 #   cuda     a CUDA device torch can use, and a bf16 matmul on it                          (skipped: no GPU)
 #   train    torchrun --nproc_per_node 1 train.py: 4 steps, checkpoints at 2 and 4; on a GPU in bf16 under FSDP2's
-#            mixed-precision policy (--mixed-precision auto) with float32 logits from bf16 operands (model.bf16_head,
-#            model.head_logits);
-#            vLLM engine when importable, else --engine hf
+#            mixed-precision policy (--mixed-precision auto) with float32 logits from bf16 operands
+#            (fastpaths.bf16_head, fastpaths.head_logits); vLLM engine when importable (compiled as NeMo-RL's
+#            recipe: rollout.GPU_COMPILATION), else --engine hf
 #   resume   the same command with --steps 6: resumes from step 4
 #   export   train.py export of the step-6 checkpoint: an HF folder
 #   eval     eval_aime.py on the export (four sum problems, k = 2), with the same engine
