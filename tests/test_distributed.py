@@ -431,7 +431,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(skips, tiny_path, ca
     # the rows each update computed: with skipping only those whose advantage is not 0, counted from
     # the rewards here (float64, group mean and sample std), not from the code under test
     r = dist_worker.skip_rewards(kind).double()
-    if flags.get("entropy_coeff") or "cov" in pg:  # every row runs
+    if flags.get("entropy_coeff") or pg == "kl_cov":  # every row runs (Clip-Cov's A = 0 add 0)
         nonzero = torch.ones_like(r, dtype=torch.bool)
     elif flags.get("leave_one_out"):
         others = (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1)
@@ -452,7 +452,9 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(skips, tiny_path, ca
             assert ran[n, "full"]["seqs"] == r.numel(), (n, ran[n, "full"])
         # at one rank, dynamic sampling kept only informative groups: nothing to skip
         assert ran[n, "skip"]["seqs"] < ran[n, "full"]["seqs"] or (
-            (n == 1 and flags.get("dynamic_sampling")) or flags.get("entropy_coeff") or "cov" in pg
+            (n == 1 and flags.get("dynamic_sampling"))
+            or flags.get("entropy_coeff")
+            or pg == "kl_cov"
         )
         # the skipped rows' loss tokens still count (normalizer, clip fractions)
         assert ran[n, "skip"]["loss_tokens"] == ran[n, "full"]["loss_tokens"]
