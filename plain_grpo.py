@@ -34,8 +34,9 @@ What train.py has that this file leaves out, where it lives, and the test that h
 - the loss family (grpo.LossConfig: GSPO, CISPO, REINFORCE, Clip-/KL-Cov, dual clip, sequence-level
   mean, k1/k2, entropy terms, importance-sampling corrections, batch or no std scaling, pass@k):
   test_grpo.py, test_nemo_parity.py
-- dynamic sampling (train.collect_groups): test_train.py::test_dynamic_sampling_trains_only_on_
-  informative_groups; DAPO's overlong filter and penalty (batch.make_batch, train.advantages):
+- dynamic sampling (train.collect_groups):
+  test_train.py::test_dynamic_sampling_trains_only_on_informative_groups
+- DAPO's overlong filter and penalty (batch.make_batch, train.advantages):
   test_grpo.py::test_overlong_filter_masks_truncated_responses_but_keeps_them_in_the_baseline
 - LoRA (lora.py, --lora-rank): test_lora.py
 - bf16 compute (runtime.autocast, runtime.fsdp_bf16):
@@ -90,7 +91,7 @@ class Settings:
     grad_clip: float = 1.0  # max global gradient norm
     eps_low: float = 0.2  # ratio clipped below at 1 - eps_low (PPO)
     eps_high: float = 0.2  # and above at 1 + eps_high: > eps_low is DAPO's clip-higher
-    kl_beta: float = 0.0  # weight of the k3 KL to the start model (0: the term is 0)
+    kl_beta: float = 0.0  # weight of the k3 KL to the start model (0: computed, and weighs 0)
     leave_one_out: bool = False  # each sample's baseline and std from the other G - 1 (RLOO)
     eval_every: int = 25  # held-out pass@1 every N steps, and at the first and last
     eval_samples: int = 4  # samples per held-out prompt
