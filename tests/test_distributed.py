@@ -231,6 +231,16 @@ def test_tied_embeddings_get_the_same_update_at_two_ranks(updates, tiny_path):
         )
 
 
+# Seen to bite (2026-12-06): each one-line change below, made alone, then restored, fails it at the
+# first step's gradients (minibatch 0) unless said; the figure is the largest relative difference.
+#   train.normalizer's count + 1                          both cases, 1.8e-2 (1/56: N = 56 tokens)
+#   batch.minibatches by row, (first_group * G + r) % n   both, 0.76 and 1.16
+#   batch.trained_rows keeps A > 0, not A != 0            plain-skip, 1.00 (plain-kl passes: with
+#                                                         the KL term on, no row is skipped)
+#   batch.plan packs keyed by the prompt's first token    both, 1.00 and 1.02
+#   fastpaths.HeadLogprob.backward without its / T        both, 0.43 (3/7: every gradient x 0.7)
+#   the same, times 1 + 1e-6                              both, 1.0e-6
+#   grpo.kl_estimate without the score-function term      plain-kl, minibatch 1, 1.1e-2
 @pytest.mark.parametrize("case", PLAIN)
 def test_the_plain_file_is_train_pys_update(updates, tiny_path, monkeypatch, case):
     """plain_grpo.py's GRPO step (one process, the logprobs by their definition, no skipping,
