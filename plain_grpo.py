@@ -70,7 +70,7 @@ INSTRUCTION = "Let's think step by step and output the final answer within \\box
 
 @dataclass
 class Settings:
-    """GRPO on your problems; the defaults are train.py's demo's."""
+    """GRPO on your problems; each number's default is train.py's (its demo's)."""
 
     model: str  # HF folder or hub name
     data: str  # training problems: JSONL, one {"problem": ..., "answer": ...} a line
