@@ -2,10 +2,13 @@
 files.
 
 updates OUT CASES  the update job below for each case of CASES, a JSON object {name: [MICRO_TOKENS,
-                   MINIBATCHES, LR, OPT, PG, LORA_RANK, MODEL, PRECISION]}, in one process group:
-                   OUT/NAME.pt
+                   MINIBATCHES, LR, OPT, PG, LORA_RANK, MODEL, PRECISION, (EXTRA)]}, in one process
+                   group: OUT/NAME.pt. EXTRA, {"rewards": REWARDS, "flags": FLAGS}: as skips'
+                   cases take them; and each optimizer step's gradient before it is clipped, summed
+                   over micro-batches and ranks: OUT/NAME.pt.grads
 update OUT MICRO_TOKENS MINIBATCHES LR OPT [PG [LORA_RANK [MODEL [PRECISION]]]]
-                   one GRPO update (OPT adamw or sgd; PG ppo, gspo or cispo; LoRA adapters of that
+                   one GRPO update (OPT adamw, sgd, or train's own: runtime.optimizer, fused AdamW
+                   and the LR warm-up; PG ppo, gspo or cispo; LoRA adapters of that
                    rank, the KL reference then the base with adapters off) on a fixed global batch,
                    in float64; rank 0 saves the weights. MODEL: a built-in base (default the tiny
                    one); `smollm2` gets a smaller batch and no KL term (no reference copy), which
@@ -39,6 +42,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -113,6 +117,7 @@ def update(
     rewards_kind: str = "",
     flags: dict | None = None,
     precision: str = "float64",
+    record: bool = False,
 ) -> train.Update:
     rank, world = distributed.rank(), distributed.world_size()
     path = model.resolve(base)
@@ -133,9 +138,8 @@ def update(
         lr=lr,
         eps_high=0.28,
         kl_beta=0.0 if small or rewards_kind else 0.01,
-        grad_clip=1.0
-        if opt_name == "adamw"
-        else 1e9,  # SGD unclipped: dw = -lr * the gradient itself
+        # SGD unclipped: dw = -lr * the gradient itself
+        grad_clip=1e9 if opt_name == "sgd" else 1.0,
         pg=pg,
         **{"token_level": pg != "gspo", "lora_rank": lora_rank, **(flags or {})},
         **({} if precision == "float64" else dict(dtype="bfloat16", mixed_precision=precision)),
@@ -192,13 +196,34 @@ def update(
         .requires_grad_(False)
     )
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    if opt_name == "adamw":
-        opt = torch.optim.AdamW(trainable, lr=cfg.run.lr, weight_decay=cfg.run.weight_decay)
+    if opt_name == "train":
+        opt, sched = runtime.optimizer(policy, cfg.run)
     else:
-        opt = torch.optim.SGD(trainable, lr=cfg.run.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    b = train.old_logprobs(policy, ref, b, cfg, cpu, share.start)  # step 5
-    upd = train.update_policy(policy, opt, sched, b, cfg, cpu, share.start)  # step 6
+        opt = (
+            torch.optim.AdamW(trainable, lr=cfg.run.lr, weight_decay=cfg.run.weight_decay)
+            if opt_name == "adamw"
+            else torch.optim.SGD(trainable, lr=cfg.run.lr)
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    grads, weights, clip = [], [], distributed.clip_grad_norm
+    if record:  # each optimizer step's gradient, summed over micro-batches and ranks, unclipped
+
+        def recording(m, max_norm):  # and the weights the gradient was taken at
+            full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+            named = list(m.lm.named_parameters())
+            grads.append({n: full(p.grad).detach().clone() for n, p in named})
+            weights.append({n: full(p).detach().clone() for n, p in named})
+            return clip(m, max_norm)
+
+        distributed.clip_grad_norm = recording
+    try:
+        with float64_norms() if record else nullcontext():
+            b = train.old_logprobs(policy, ref, b, cfg, cpu, share.start)  # step 5
+            upd = train.update_policy(policy, opt, sched, b, cfg, cpu, share.start)  # step 6
+    finally:
+        distributed.clip_grad_norm = clip
+    if record and distributed.is_main():
+        torch.save(dict(grads=grads, weights=weights), f"{out}.grads")
     state = full_state_dict(policy.lm)
     if distributed.is_main():
         torch.save({k: v.clone() for k, v in state.items()}, out)
@@ -210,14 +235,40 @@ def update(
     return upd
 
 
+@contextmanager
+def float64_norms():
+    """Qwen2's RMSNorm (the tiny base's) in its input's dtype. HF's casts to float32 and back in
+    every norm, whatever the model's dtype: in a float64 comparison that rounds each layer's values
+    and gradients to float32, and two computations of the same sums in another order (packed or
+    not, micro-batched or not) then differ by float32's roundoff (~1e-7), not float64's (~1e-16).
+    The comparisons with plain_grpo.py run both sides under it."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    norm = modeling_qwen2.Qwen2RMSNorm
+    own = norm.forward
+
+    def forward(self, h):  # HF's, less the casts
+        return self.weight * (
+            h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        )
+
+    norm.forward = forward
+    try:
+        yield
+    finally:
+        norm.forward = own
+
+
 def updates(out: Path, cases: dict[str, list]) -> None:
     """Each case's update in one process (one start-up of torch, transformers and the group for
     all of them); each starts from the model files, with its own seeds."""
     distributed.init(120)
     out.mkdir(parents=True, exist_ok=True)
-    for name, (micro_tokens, minibatches, lr, opt, pg, lora_rank, base, prec) in cases.items():
+    for name, case in cases.items():
+        micro_tokens, minibatches, lr, opt, pg, lora_rank, base, prec, *extra = case
+        more = extra[0] if extra else {}  # EXTRA: this case's gradients are recorded too
         update(out / f"{name}.pt", micro_tokens, minibatches, lr, opt, pg, lora_rank, base,
-               precision=prec)  # fmt: skip
+               more.get("rewards", ""), more.get("flags"), prec, record=bool(extra))  # fmt: skip
     distributed.close()
 
 

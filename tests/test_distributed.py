@@ -88,8 +88,22 @@ UPDATES = {
     "sgd-bf16-autocast": (10_000, 1, 1.0, "sgd", "ppo", 0, "tiny", "autocast"),
     "sgd-bf16-fsdp": (10_000, 1, 1.0, "sgd", "ppo", 0, "tiny", "fsdp"),
     "sgd-bf16-fsdp-micro-batched": (12, 1, 1.0, "sgd", "ppo", 0, "tiny", "fsdp"),
+    # plain_grpo.py's twins (PLAIN): train.py's production options on (rows of A = 0 skipped,
+    # shared-prompt packs, micro-batches of 24 tokens, 2 minibatches, leave-one-out, fused AdamW
+    # with its warm-up, a temperature that is not 1); the KL term on (no row skipped: it does not
+    # vanish with A; the LM head in chunks of 8 tokens, its recomputing backward), or off, with
+    # uniform groups whose rows skip (the head in one chunk, its kept-probabilities backward).
+    # lr 1e-2 with the KL: the second minibatch's policy far enough from the reference that the KL
+    # term's gradient, its score-function part included, shows at 1e-9
+    "plain-kl": (24, 2, 1e-2, "train", "ppo", 0, "tiny", "float64",
+                 {"flags": {"leave_one_out": True, "warmup_steps": 3, "temperature": 0.7,
+                            "logprob_chunk_tokens": 8}}),
+    "plain-skip": (24, 2, 1e-3, "train", "ppo", 0, "tiny", "float64",
+                   {"rewards": "rank1-uniform",
+                    "flags": {"leave_one_out": True, "warmup_steps": 3, "temperature": 0.7}}),
 }
 # fmt: on
+PLAIN = [c for c in UPDATES if c.startswith("plain-")]
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +229,84 @@ def test_tied_embeddings_get_the_same_update_at_two_ranks(updates, tiny_path):
         assert bool((moved > 0).all()), (
             f"{n} rank(s): {int((moved == 0).sum())} embedding rows did not move"
         )
+
+
+# Seen to bite (2026-12-06): each one-line change below, made alone, then restored, fails it at the
+# first step's gradients (minibatch 0) unless said; the figure is the largest relative difference.
+#   train.normalizer's count + 1                          both cases, 1.8e-2 (1/56: N = 56 tokens)
+#   batch.minibatches by row, (first_group * G + r) % n   both, 0.76 and 1.16
+#   batch.trained_rows keeps A > 0, not A != 0            plain-skip, 1.00 (plain-kl passes: with
+#                                                         the KL term on, no row is skipped)
+#   batch.plan packs keyed by the prompt's first token    both, 1.00 and 1.02
+#   fastpaths.HeadLogprob.backward without its / T        both, 0.43 (3/7: every gradient x 0.7)
+#   the same, times 1 + 1e-6                              both, 1.0e-6
+#   grpo.kl_estimate without the score-function term      plain-kl, minibatch 1, 1.1e-2
+@pytest.mark.parametrize("case", PLAIN)
+def test_the_plain_file_is_train_pys_update(updates, tiny_path, monkeypatch, case):
+    """plain_grpo.py's GRPO step (one process, the logprobs by their definition, no skipping,
+    packing or micro-batches) and train.py's (old_logprobs, update_policy, runtime.optimizer), from
+    the same weights, prompts, sampled tokens, engine logprobs and rewards (dist_worker's), in
+    float64: every parameter's gradient before each of the two optimizer steps (summed over the
+    minibatch's micro-batches and ranks, before clipping: after AdamW's first step alone a gradient
+    off by a constant factor would not show, Adam divides its scale away) and the weights after the
+    step agree, at one rank and at two.
+
+    Each tensor's largest difference, relative to its largest entry, within 1e-9: the two compute
+    the same sums in another order (packs, micro-batches, ranks, the LM head's written-out backward
+    against autograd's), which float64 (unit roundoff 1.1e-16) rounds differently; with sums of at
+    most ~1e4 terms that stays under 1e-12, and the weights after AdamW's steps, whose division by
+    sqrt(v) + eps magnifies an entry's error up to 1 / eps where |g| ~ eps, within 1e-11 (measured:
+    gradients 8e-14, weights 1.6e-12). HF's RMSNorm is run in float64 on both sides
+    (dist_worker.float64_norms): its own float32 round trip would leave ~1e-7. A one-line change of
+    the normalizer, the minibatch split, the skip rule, the packing, the head's backward or the KL's
+    score-function term moves the gradients by 1e-2 or more, and the head's gradient scaled by
+    1 + 1e-6 by 1e-6."""
+    import dist_worker
+    import plain_grpo
+
+    micro_tokens, minibatches, lr, *_, extra = UPDATES[case]
+    flags, kind = extra["flags"], extra.get("rewards", "")
+    tok = plain_grpo.AutoTokenizer.from_pretrained(tiny_path)
+    prompts, samples, rewards = dist_worker.fixed_global_batch(tok)
+    if kind:  # as dist_worker.update: uniform groups, whose rows train.py skips
+        rewards = dist_worker.skip_rewards(kind)
+        prompts, samples, _ = dist_worker.fixed_global_batch(tok, *rewards.shape)
+        assert (plain_grpo.group_advantages(rewards, True) == 0).any()
+    P, G = rewards.shape
+    s = plain_grpo.Settings(
+        model=tiny_path, data="", prompts_per_step=P, group_size=G,
+        minibatch_size=P * G // minibatches, lr=lr, eps_high=0.28,
+        kl_beta=0.0 if kind else 0.01, leave_one_out=flags["leave_one_out"],
+        warmup_steps=flags["warmup_steps"], temperature=flags["temperature"],
+    )  # fmt: skip
+    policy, ref, _ = plain_grpo.load(tiny_path, torch.float64)
+    opt, sched = plain_grpo.optimizer(policy, s)
+    grads, weights, clip = [], [], torch.nn.utils.clip_grad_norm_
+
+    def recording(params, max_norm):  # and the weights the gradient was taken at
+        grads.append({n: p.grad.clone() for n, p in policy.named_parameters()})
+        weights.append({n: p.detach().clone() for n, p in policy.named_parameters()})
+        return clip(params, max_norm)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording)
+    responses = [x.token_ids for x in samples]
+    with dist_worker.float64_norms():  # as the worker's: float64 through every layer
+        plain_grpo.grpo_step(policy, ref, opt, sched, prompts, responses, rewards, s)
+    weights.append({n: p.detach() for n, p in policy.named_parameters()})
+
+    def off(a, b):  # the largest difference, relative to b's largest entry
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    for n in (1, 2):
+        theirs = torch.load(updates[n] / f"{case}.pt.grads")
+        # the weights before each step (the start, then after the first) and after the last
+        theirs["weights"].append(torch.load(updates[n] / f"{case}.pt"))
+        assert len(theirs["grads"]) == len(grads) == minibatches
+        for what, mine in (("grads", grads), ("weights", weights)):
+            for k, (got, want) in enumerate(zip(mine, theirs[what])):
+                assert got.keys() == want.keys()
+                for name, t in want.items():
+                    assert off(got[name], t) <= 1e-9, (n, what, k, name, off(got[name], t))
 
 
 def test_a_gpu_run_starts_a_group_that_carries_cpu_tensors():

@@ -35,6 +35,7 @@ SCRIPTS = {
         ("tools/bench_lora.py", "LoraBenchConfig"),
     ],
     "memory.py": [("memory.py", "main")],
+    "plain_grpo.py": [("plain_grpo.py", "Settings")],
     "logs.py": [],  # reads its argv by hand: its flags are the "--..." strings in its source
 }
 # flags of the other programs the pages show (torchrun, pytest, pip, make, time)
