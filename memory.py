@@ -49,6 +49,7 @@ from transformers import AutoConfig
 
 import data
 import distributed
+import model
 from checks import UserError
 
 GiB = 2**30
@@ -72,8 +73,6 @@ class Shape:
     def from_config(cls, path: str, trust_remote_code: bool = False) -> "Shape":
         """The shape of an HF model folder, or of a built-in base by name (`smollm2`, `tiny`:
         model.resolve)."""
-        import model  # here: model.resolve builds a built-in base on first use
-
         c = AutoConfig.from_pretrained(model.resolve(path), trust_remote_code=trust_remote_code)
         return cls(
             c.hidden_size,

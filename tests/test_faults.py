@@ -25,7 +25,6 @@ import train
 from checks import UserError, one_line_errors
 from runtime import config
 import batch
-import checks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 )
 def test_each_bad_flag_gets_one_line(flags, world, needle):
     with pytest.raises(UserError) as e:
-        checks.grpo_flags(config(train.Config, **flags), world)
+        train.flag_checks(config(train.Config, **flags), world)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
@@ -79,7 +78,7 @@ def test_optional_loggers_fail_early_when_not_installed(package):
         pytest.skip(f"{package} is installed here: nothing to refuse")
     flags = dict(tensorboard=True) if package == "tensorboard" else dict(wandb_project="p")
     with pytest.raises(UserError, match=f"needs the {package} package"):
-        checks.grpo_flags(config(train.Config, **flags), 1)
+        train.flag_checks(config(train.Config, **flags), 1)
 
 
 def one_line_error(fn, *args) -> str:

@@ -75,7 +75,6 @@ import train
 from checks import UserError, one_line_errors
 from demo import bases
 from demo import tasks
-import checks
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: train.py, eval_aime.py
 
@@ -404,12 +403,12 @@ def folder_name(flags: list[str]) -> str:
 
 def train_error(argv: list[str]) -> str | None:
     """train.py's own verdict on a list of flags, as one line: tyro's parse, then
-    checks.grpo_flags (no model loads)."""
+    train.flag_checks (no model loads)."""
     buf = io.StringIO()
     try:
         with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
             cfg = train.parse_args(argv)
-        checks.grpo_flags(cfg, 1)
+        train.flag_checks(cfg, 1)
     except UserError as e:
         return str(e)
     except SystemExit:  # tyro's own parse error, printed in a frame
