@@ -16,7 +16,6 @@ whether a run fits in memory (memory.preflight).
 """
 
 import os
-import runpy
 import sys
 from pathlib import Path
 
@@ -59,10 +58,3 @@ def writable(folder: Path) -> bool:
             return False
         folder = folder.parent
     return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
-
-
-def demo_function(spec: str):
-    """The function `file.py:name` of demo/, loaded by its path where a built-in name is resolved
-    (--model tiny, the sum3 task): the core imports nothing from demo/, which builds on the core."""
-    path, _, name = spec.rpartition(":")
-    return runpy.run_path(str(Path(__file__).resolve().parent / "demo" / path))[name]

@@ -79,7 +79,8 @@ class Config:
     kv_cache_gib: float = 0.0
     # the task
 
-    # sum3: the synthetic demo task; math: problems from --data, boxed answers
+    # sum3: the demo's task (raw prompts, exact-match reward; its problems: --data, else the demo's,
+    # which `python demo/tasks.py sum3` writes); math: problems from --data, boxed answers
     task: Literal["sum3", "math"] = "sum3"
     problem_field: str = "problem"  # math: field of the problem text (DeepScaleR-Preview: problem)
     answer_field: str = "answer"  # math: field of the gold answer (DeepScaleR-Preview: answer)
