@@ -14,10 +14,19 @@ STAMP := .venv/.installed-$(basename $(REQ))
 ARGS ?=
 
 .PHONY: demo dpo test test-fast lint format recipe smollm2 smollm2-recipe bench gpu-check gpu-wheels check-setup clean
+# Each target below first builds what it uses of the demo's into the cache (~/.cache/grpo-minimal, or $GRPO_CACHE),
+# once per machine: its base model (demo/bases.py NAME, which --model NAME then finds in the cache's models/) and, for
+# the sum3 task, its problems (demo/tasks.py sum3); the core only reads them there. BASES: the demo's names; a MODEL=
+# that is not one is left as it is. (tools/bench.py and tools/experiments.py build the bases they use themselves.)
+BASES = tiny tiny-math r1-shape smollm2
 demo: $(STAMP)
+	$(PY) demo/bases.py tiny
+	$(PY) demo/tasks.py sum3
 	$(PY) train.py $(ARGS)
 
 dpo: $(STAMP)
+	$(PY) demo/bases.py tiny
+	$(PY) demo/tasks.py sum3
 	$(PY) dpo.py $(ARGS)
 
 # two pytest-xdist workers, each with its own core (tests/conftest.py); TEST_WORKERS=0 runs in one process
@@ -67,6 +76,7 @@ SCALE = --model $(MODEL) --engine hf --prompts-per-step $(PROMPTS) --group-size 
 EVAL = --data $(R)/data/heldout.jsonl --k $(K) --max-tokens 72
 
 recipe: $(STAMP)
+	$(if $(filter $(BASES),$(MODEL)),$(RUN) demo/bases.py $(MODEL))
 	$(RUN) demo/tasks.py sums $(R)/data
 	$(RUN) eval_aime.py --model $(MODEL) $(EVAL) --out $(R)/eval_base.jsonl
 	$(RUN) train.py --stage 1 $(SCALE) --max-seq-len 40 --max-new-tokens 24 --lr 3e-5 --steps $(STEPS1) --out-dir $(R)/s1
@@ -92,6 +102,7 @@ SMOLLM2 = --model smollm2 --task math --answer last-number --data $(S)/data/trai
           --eval-samples 4 --checkpoint-every 0 --threads $(THREADS)
 
 smollm2: $(STAMP)
+	$(RUN) demo/bases.py smollm2
 	$(RUN) demo/tasks.py add $(S)/data
 	$(RUN) train.py $(SMOLLM2) --out-dir $(S)/run $(ARGS)
 	$(RUN) logs.py $(S)/run
@@ -123,6 +134,7 @@ SREVAL = --data $(SR)/data/heldout.jsonl --prompt-template demo/smollm2-recipe-p
          --max-tokens 96 --seed $(SEED)
 
 smollm2-recipe: $(STAMP)
+	$(RUN) demo/bases.py smollm2
 	$(RUN) demo/tasks.py digits $(SR)/data
 	$(RUN) eval_aime.py --model smollm2 $(SREVAL) --out $(SD)/eval_base.jsonl
 	$(RUN) train.py --stage 1 $(SRSCALE) --max-seq-len 128 --max-new-tokens 32 --lr 3e-5 --steps $(SSTEPS1) --out-dir $(SD)/s1

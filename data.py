@@ -12,11 +12,13 @@ What it does:
   template file of the user's (read_template).
 - split and PromptStream: the held-out split and the endless, seeded, resumable order of training
   rows.
-- load_task: train.py's task (Task): the problems (--task sum3: the demo's, from demo/tasks.py
-  loaded by path; math: --data and --val-data), the tokenizer, every prompt's token ids (prompts
-  longer than prompt_limit dropped, counted and reported) and the reward function.
+- load_task: train.py's task (Task): the problems (--data and --val-data; --task sum3 without
+  --data: the demo's, from the files `python demo/tasks.py sum3` writes into DATA_CACHE, see
+  cached_problems), the tokenizer, every prompt's token ids (prompts longer than prompt_limit
+  dropped, counted and reported) and the reward function.
 
-What it does not do: build the demos' tasks (demo/tasks.py), or score (reward.py).
+What it does not do: build the demos' tasks or write their files (demo/tasks.py), or score
+(reward.py).
 """
 
 import functools
@@ -30,9 +32,11 @@ import distributed
 import model
 import reward
 import user_reward
-from checks import UserError, demo_function
+from checks import UserError
 
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+# problem files kept once per machine, a folder per set (the demo's: `python demo/tasks.py NAME`)
+DATA_CACHE = model.DEFAULT_CACHE / "data"
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,19 @@ def load_problems(
     if not problems:
         raise DataError(f"{path}: no problems")
     return problems
+
+
+def cached_problems(name: str) -> tuple[str, str]:
+    """The files DATA_CACHE/NAME/train.jsonl and heldout.jsonl (--task sum3 and dpo.py's demo read
+    sum3's); a missing one raises DataError saying what writes it."""
+    files = DATA_CACHE / name / "train.jsonl", DATA_CACHE / name / "heldout.jsonl"
+    for f in files:
+        if not f.is_file():
+            raise DataError(
+                f"{f}: no such file (for the demo's problems, `python demo/tasks.py {name}` or "
+                "`make demo` writes them there)"
+            )
+    return str(files[0]), str(files[1])
 
 
 def split(items: list, val_fraction: float, seed: int = 0) -> tuple[list, list]:
@@ -222,14 +239,15 @@ class Task:
 def load_task(cfg) -> Task:
     """Problems (a bad row raises data.DataError before any model loads), the tokenizer, every
     prompt's token ids."""
-    if cfg.task == "sum3":
-        train_set, heldout = demo_function("tasks.py:sum3_split")()
+    train_file, val_file = cfg.run.data, cfg.run.val_data
+    if cfg.task == "sum3" and not train_file:  # the demo's problems, held out as they were written
+        train_file, demo_heldout = cached_problems("sum3")
+        val_file = val_file or demo_heldout
+    train_set = load_problems(train_file, cfg.problem_field, cfg.answer_field)
+    if val_file:
+        heldout = load_problems(val_file, cfg.problem_field, cfg.answer_field)
     else:
-        train_set = load_problems(cfg.run.data, cfg.problem_field, cfg.answer_field)
-        if cfg.run.val_data:
-            heldout = load_problems(cfg.run.val_data, cfg.problem_field, cfg.answer_field)
-        else:
-            train_set, heldout = split(train_set, cfg.run.val_fraction, cfg.run.seed)
+        train_set, heldout = split(train_set, cfg.run.val_fraction, cfg.run.seed)
     template = read_template(cfg.prompt_template)
     path = model_path(cfg)
     tok = model.load_tokenizer(path, cfg.run.trust_remote_code)
@@ -248,8 +266,7 @@ def load_task(cfg) -> Task:
 
 
 def model_path(cfg) -> str:
-    """Where the run's starting weights are: --init-from, else --model (a built-in base is built on
-    first use)."""
+    """Where the run's starting weights are: --init-from, else --model (model.resolve)."""
     return cfg.init_from or model.resolve(cfg.run.model)
 
 

@@ -19,17 +19,20 @@ reference. What is *new* is one loss and one data loader.
                                                                      (IPO paper, TRL)
     loss   = sum over the global batch of l_i / number of pairs in the global batch
 
-The demo (no --data): the built-in tiny base model (pretrained with 65% careless "a+b" answers to
-"a+b+c=") on a synthetic preference set: chosen = the right sum, rejected = the careless a+b or
-another wrong number (two pairs per prompt). It reports held-out preference accuracy (pairs of the
-200 held-out prompts) and held-out task accuracy (greedy and pass@1 over 4 samples at T = 1, the
-same figures as GRPO's demo, via rollout.HFEngine).
+The demo (no --data): the demo's tiny base model (pretrained with 65% careless "a+b" answers to
+"a+b+c=") on a synthetic preference set made here from the demo's sum3 problems (sum3_pairs):
+chosen = the right sum, rejected = the careless a+b or another wrong number (two pairs per prompt).
+The base and the problems are read from the cache, where `python demo/bases.py tiny` and `python
+demo/tasks.py sum3` put them (`make dpo` runs both). It reports held-out preference accuracy (pairs
+of the 200 held-out prompts) and held-out task accuracy (greedy and pass@1 over 4 samples at T = 1,
+the same figures as GRPO's demo, via rollout.HFEngine).
 
 What it does not do: generate during training (DPO is offline), reward models, or multi-turn losses
 (only the last assistant message of a conversation is the response). `python dpo.py export CKPT OUT`
 exports a saved step.
 """
 
+import random
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -47,7 +50,7 @@ import reward
 import rollout
 import runtime
 from checkpoint import export_hf
-from checks import UserError, check, demo_function, one_line_errors
+from checks import UserError, check, one_line_errors
 
 
 @dataclass
@@ -277,19 +280,31 @@ def encode_pairs(tok, rows: list[PrefRow], max_seq_len: int, what: str) -> list[
     return keep
 
 
+def sum3_pairs(problems: list[data.Problem], seed: int) -> list[PrefRow]:
+    """The demo's preferences from the sum3 problems ("a+b+c=" -> the sum): two pairs per prompt,
+    both with chosen = the right sum. The first rejects the careless a+b that the base model
+    prefers (when c != 0; when c = 0 it *is* the right sum, so another wrong number in 0..27
+    instead), the second another wrong number: rejecting only a+b would teach "not a+b", and the
+    probability it loses could go to any other wrong answer as well as to the right one."""
+    rng = random.Random(seed)
+    rows = []
+    for p in problems:
+        a, b, c = (int(x) for x in p.prompt.rstrip("=").split("+"))
+        others = rng.sample([n for n in range(28) if n not in (a + b + c, a + b)], 2)
+        for wrong in ([a + b] if c else others[1:]) + others[:1]:
+            rows.append(PrefRow(p.prompt, p.answer, str(wrong)))
+    return rows
+
+
 def load_preferences(cfg: DPOConfig) -> tuple[list[PrefRow], list[PrefRow], list[data.Problem]]:
     """(training rows, held-out rows, held-out sum3 problems for task accuracy: only for the
     synthetic set)."""
     run = cfg.run
-    if not run.data:
-        train_set, heldout = demo_function("tasks.py:sum3_split")()
-
-        def pairs(problems, seed):  # the demo's synthetic preferences
-            return [PrefRow(*r) for r in demo_function("tasks.py:sum3_pairs")(problems, seed)]
-
+    if not run.data:  # the demo's sum3 problems, as `python demo/tasks.py sum3` wrote them
+        train_set, heldout = (data.load_problems(f) for f in data.cached_problems("sum3"))
         # the held-out pairs' wrong answers from a stream of their own (seed + 1), not the training
         # pairs' again
-        return pairs(train_set, run.seed), pairs(heldout, run.seed + 1), heldout
+        return sum3_pairs(train_set, run.seed), sum3_pairs(heldout, run.seed + 1), heldout
     names = cfg.prompt_field, cfg.chosen_field, cfg.rejected_field
     rows = load_pairs(run.data, *names)
     if run.val_data:

@@ -48,8 +48,8 @@ class EvalConfig:
     model on a problem file; every sample goes to --out. Under torchrun the problems are split over
     the engines."""
 
-    # HF folder (e.g. a run's <out_dir>/final), hub name, or a built-in base: tiny, tiny-math,
-    # smollm2, r1-shape
+    # HF folder (e.g. a run's <out_dir>/final), hub name, or a folder's name in the cache's models/
+    # (as train.py's --model: the demo's bases, once `python demo/bases.py NAME` built them)
     model: str
     data: str  # problems: .jsonl / .json / .parquet, or an HF dataset name[:split]
     out: str = "eval_samples.jsonl"  # every sample, one JSON line each

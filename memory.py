@@ -49,6 +49,7 @@ from transformers import AutoConfig
 
 import data
 import distributed
+import model
 from checks import UserError
 
 GiB = 2**30
@@ -70,10 +71,8 @@ class Shape:
 
     @classmethod
     def from_config(cls, path: str, trust_remote_code: bool = False) -> "Shape":
-        """The shape of an HF model folder, or of a built-in base by name (`smollm2`, `tiny`:
-        model.resolve)."""
-        import model  # here: model.resolve builds a built-in base on first use
-
+        """The shape of an HF model folder, or of one in the cache by name (`tiny`, `smollm2` once
+        the demo built them: model.resolve)."""
         c = AutoConfig.from_pretrained(model.resolve(path), trust_remote_code=trust_remote_code)
         return cls(
             c.hidden_size,
@@ -422,8 +421,8 @@ if __name__ == "__main__":
         """Memory per rank of a GRPO run, estimated from a model's config.json.
 
         Args:
-            model: an HF model folder or a built-in base's name, as train.py's --model (default:
-                DeepSeek-R1-Distill-Qwen-1.5B's shape).
+            model: an HF model folder or the name of one in the cache, as train.py's --model
+                (default: DeepSeek-R1-Distill-Qwen-1.5B's shape).
             ranks: GPUs (or CPU processes) the run is sharded over.
             seqs_per_rank: sequences a rank generates per step (the KV cache's size).
             chunk_tokens: train.py's --logprob-chunk-tokens.

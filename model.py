@@ -4,9 +4,11 @@ logprobs.
 What it does:
 - load_model / load_tokenizer: any HF causal LM by local path or hub name; trust_remote_code stays
   off unless the caller turns it on (a model that needs it raises a UserError that says so).
-- resolve: what a --model value names: an HF folder or hub name, or a built-in base's name
-  (BUILTIN: the demo builds it on first use into DEFAULT_CACHE, see builtin_base); model_checks:
-  what is wrong with a --model value, in one line, before anything loads.
+- resolve: what a --model value names: an existing folder, else the folder of that name in the
+  cache of model folders (DEFAULT_CACHE/models, where a user may put any model folder and the demo
+  puts the bases it builds: `python demo/bases.py NAME`), else a hub name; model_checks: what is
+  wrong with a --model value, in one line (for a name found nowhere, where the demo's bases come
+  from), before anything loads.
 - load_trainable: the trainer's model: float32 master weights, with LoRA adapters on it for
   --lora-rank > 0 (lora.py), wrapped to return logprobs (LogprobModel), sharded over the ranks
   (distributed.shard).
@@ -18,8 +20,8 @@ What it does:
   head's hand-written backward, rows that share a prompt packed), which the tests check against
   this definition.
 
-What it does not do: build the demos' base models (demo/bases.py), generation (rollout.py), or the
-loss (grpo.py).
+What it does not do: build the demos' base models (demo/bases.py, which places them in the cache),
+generation (rollout.py), or the loss (grpo.py).
 """
 
 import os
@@ -31,37 +33,42 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import distributed
 import fastpaths
 import lora
-from checks import Checks, UserError, demo_function
+from checks import Checks, UserError
 
-# what this project builds once per machine: the built-in bases
+# what this project keeps once per machine: model folders under models/ (--model NAME), problem
+# files under data/ (data.DATA_CACHE)
 DEFAULT_CACHE = Path(os.environ.get("GRPO_CACHE", Path.home() / ".cache" / "grpo-minimal"))
-# --model values that name a base model the demo builds on first use (demo/bases.py)
-BUILTIN = ("tiny", "tiny-math", "r1-shape", "smollm2")
 
 
 def resolve(name: str) -> str:
-    """The path of a --model value: a built-in base's name (built on first use, cached), else the
-    value itself."""
-    return demo_function("bases.py:ensure")(name, DEFAULT_CACHE) if name in BUILTIN else name
+    """The path of a --model value: an existing folder, else the folder DEFAULT_CACHE/models/NAME
+    when there is one, else the value itself (a hub name)."""
+    cached = DEFAULT_CACHE / "models" / name
+    if Path(name).exists() or not cached.is_dir():
+        return name
+    # the folder a link there points to: a run holds on to the build it started from, even if the
+    # link moves to a newer one meanwhile
+    return str(cached.resolve())
 
 
 def model_checks(flag: str, value: str) -> Checks:
-    """A --model value is a built-in base's name, an HF model folder, or (where no such path exists)
-    a hub name."""
-    if value in BUILTIN:
-        return []
-    p = Path(value)
+    """A --model value is an HF model folder, the name of one in DEFAULT_CACHE/models, or (where no
+    such folder exists) a hub name."""
+    p = Path(resolve(value))
+    nowhere = f"{flag} {value}: no such folder, and not a hub name like org/name"
+    if "/" not in value:  # a name: of the cache's too
+        nowhere = (
+            f"{flag} {value}: no such folder, not in {DEFAULT_CACHE / 'models'}, and not a hub "
+            f"name like org/name (for one of the demo's bases, `python demo/bases.py {value}` or "
+            "`make demo` builds it there)"
+        )
     return [
         (not p.exists() or p.is_dir(), f"{flag} {value}: a file, not an HF model folder"),
         (
             not p.is_dir() or (p / "config.json").is_file(),
             f"{flag} {value}: not an HF model folder (no config.json)",
         ),
-        (
-            p.exists() or value.count("/") == 1,
-            f"{flag} {value}: no such folder, and not a hub name like org/name (built-in: "
-            f"{', '.join(BUILTIN)})",
-        ),
+        (p.exists() or value.count("/") == 1, nowhere),
     ]
 
 

@@ -53,13 +53,14 @@ class RunConfig:
 
     # model and data
 
-    # HF folder or hub name, or a built-in base built once: tiny (the demos), tiny-math (the math
-    # recipe in miniature), smollm2 (SmolLM2-135M-Instruct: make smollm2), r1-shape (tools/bench.py
-    # shape)
+    # HF folder, hub name, or a folder's name in the cache's models/ ($GRPO_CACHE, else
+    # ~/.cache/grpo-minimal), where `python demo/bases.py NAME` builds the demo's bases (make does,
+    # for its targets)
     model: str = "tiny"
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
-    # training data (.jsonl, .json, .parquet, or an HF dataset name[:split]): math problems (GRPO,
-    # --task math) or preference pairs (DPO; "" = the synthetic sum3 set)
+    # training data (.jsonl, .json, .parquet, or an HF dataset name[:split]): problems (GRPO; ""
+    # with --task sum3: the demo's, in the cache) or preference pairs (DPO; "" = the synthetic
+    # pairs of the demo's sum3 problems)
     data: str = ""
     val_data: str = ""  # held-out data of the same kind; default: --val-fraction of --data
     val_fraction: float = 0.0  # fraction of --data held out when --val-data is not given

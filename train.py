@@ -22,11 +22,13 @@ trainer is sharded with FSDP2 and each engine generates for its share of the pro
 What it does not do: anything the files it calls own. The math and the loss's options are in
 grpo.py; problems, prompts and the task in data.py; which rows each pass runs, and how they are
 packed and padded (the update's plan), in batch.py; the logprobs and their fast paths in model.py
-and fastpaths.py; flag checks and the memory pre-flight in checks.py and memory.py; the engine in
-rollout.py; LoRA in lora.py; the bookkeeping around the loop (flags every run has, resume,
-evaluation cadence, checkpoints, Ctrl-C) in runtime.py, which dpo.py's loop shares.
+and fastpaths.py; the one-line errors and the memory pre-flight in checks.py and memory.py (the
+flags' checks are here, flag_checks, each concern's from its file); the engine in rollout.py; LoRA
+in lora.py; the bookkeeping around the loop (flags every run has, resume, evaluation cadence,
+checkpoints, Ctrl-C) in runtime.py, which dpo.py's loop shares.
 """
 
+import os
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -46,6 +48,7 @@ import model
 import reward
 import rollout
 import runtime
+import user_reward
 from batch import Batch
 from checkpoint import export_hf
 
@@ -76,7 +79,8 @@ class Config:
     kv_cache_gib: float = 0.0
     # the task
 
-    # sum3: the synthetic demo task; math: problems from --data, boxed answers
+    # sum3: the demo's task (raw prompts, exact-match reward; its problems: --data, else the demo's,
+    # which `python demo/tasks.py sum3` writes); math: problems from --data, boxed answers
     task: Literal["sum3", "math"] = "sum3"
     problem_field: str = "problem"  # math: field of the problem text (DeepScaleR-Preview: problem)
     answer_field: str = "answer"  # math: field of the gold answer (DeepScaleR-Preview: answer)
@@ -184,6 +188,114 @@ def parse_args(argv: list[str]) -> Config:
     return runtime.cli(Config, STAGES, argv)
 
 
+def flag_checks(cfg: Config, world: int) -> None:
+    """train.py's flags (Config) on `world` ranks: one clear line for a bad one, before any
+    model or engine is loaded: GRPO's own flags, the loss's (grpo.config_error), LoRA's, --reward's,
+    and those every run has (runtime.run_checks)."""
+    loss_error = grpo.config_error(cfg.loss)
+    checks.check(
+        [
+            (
+                cfg.group_size >= 2,
+                f"--group-size {cfg.group_size}: GRPO needs at least 2 samples per prompt",
+            ),
+            (
+                cfg.prompts_per_step >= world and cfg.prompts_per_step % world == 0,
+                f"--prompts-per-step {cfg.prompts_per_step}: must be a positive multiple of the "
+                f"{world} ranks",
+            ),
+            (
+                cfg.minibatch_size >= 0
+                and cfg.minibatch_size % cfg.group_size == 0
+                and cfg.prompts_per_step * cfg.group_size % (cfg.minibatch_size or 1) == 0,
+                f"--minibatch-size {cfg.minibatch_size}: must be a multiple of "
+                f"--group-size {cfg.group_size} (whole groups) dividing "
+                f"prompts_per_step * group_size = {cfg.prompts_per_step * cfg.group_size}",
+            ),
+            (
+                0 <= cfg.min_new_tokens <= cfg.max_new_tokens,
+                f"--min-new-tokens {cfg.min_new_tokens}: must be in [0, --max-new-tokens "
+                f"{cfg.max_new_tokens}]",
+            ),
+            (
+                0 < cfg.max_new_tokens <= cfg.max_seq_len,
+                f"--max-new-tokens {cfg.max_new_tokens}: must be positive and at most "
+                f"--max-seq-len {cfg.max_seq_len}",
+            ),
+            (
+                0 < data.prompt_limit(cfg) < cfg.max_seq_len,
+                f"--max-prompt-len {cfg.max_prompt_len}: must be positive and below --max-seq-len "
+                f"{cfg.max_seq_len}"
+                if cfg.max_prompt_len
+                else f"--max-new-tokens {cfg.max_new_tokens}: leaves no room for a prompt in "
+                f"--max-seq-len {cfg.max_seq_len} (lower it, or set --max-prompt-len: responses "
+                "then get what it leaves)",
+            ),
+            (
+                0 < cfg.gpu_memory_utilization < 1,
+                f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: "
+                "must be a fraction in (0, 1)",
+            ),
+            (cfg.kv_cache_gib >= 0, f"--kv-cache-gib {cfg.kv_cache_gib}: must be 0 (auto) or more"),
+            (  # vLLM reads it with int(): "1.5" would stop the run in vLLM's start-up
+                (os.environ.get("VLLM_CPU_KVCACHE_SPACE") or "0").isdigit(),
+                f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE')}: vLLM takes "
+                "whole GiB (--kv-cache-gib takes fractions)",
+            ),
+            (
+                cfg.tensor_parallel_size >= 1
+                and world % cfg.tensor_parallel_size == 0
+                and (cfg.engine == "vllm" or cfg.tensor_parallel_size == 1),
+                f"--tensor-parallel-size {cfg.tensor_parallel_size}: must divide the {world} ranks "
+                "(vLLM engine only)",
+            ),
+            (
+                0 <= cfg.overlong_buffer_length <= cfg.max_new_tokens
+                and cfg.overlong_buffer_penalty >= 0,
+                f"--overlong-buffer-length {cfg.overlong_buffer_length} --overlong-buffer-penalty "
+                f"{cfg.overlong_buffer_penalty}: the buffer must be in [0, --max-new-tokens "
+                f"{cfg.max_new_tokens}] and the penalty 0 or more",
+            ),
+            (
+                cfg.temperature > 0,
+                f"--temperature {cfg.temperature}: must be positive for GRPO sampling",
+            ),
+            (not loss_error, loss_error),
+            (  # the penalty |logp - old_logp| has gradient 0 at ratio 1, the only update's
+                cfg.loss.pg != "kl_cov"
+                or 0 < cfg.minibatch_size < cfg.prompts_per_step * cfg.group_size,
+                "--pg kl_cov: with one minibatch a step's only update runs at ratio 1, where "
+                "KL-Cov's penalty has no gradient (plain policy gradient): set --minibatch-size "
+                f"below prompts_per_step * group_size = {cfg.prompts_per_step * cfg.group_size}",
+            ),
+            (
+                not cfg.init_from or os.path.isfile(os.path.join(cfg.init_from, "config.json")),
+                f"--init-from {cfg.init_from}: not an HF checkpoint folder (no config.json)",
+            ),
+            (
+                cfg.task != "math" or bool(cfg.run.data),
+                "--data: the math task needs a problem file or dataset name",
+            ),
+            (
+                cfg.answer == "boxed" or (cfg.task == "math" and not cfg.reward),
+                f"--answer {cfg.answer}: chooses how the math task's reward reads an answer "
+                "(--task math, no --reward)",
+            ),
+            *user_reward.checks(cfg.reward, cfg.reward_timeout_s),
+            *lora.flag_checks(cfg.lora),
+            *runtime.run_checks(cfg.run),
+        ]
+    )
+    # peft must be able to put the adapters on the model: read from its config, no weights load
+    if cfg.lora.on:
+        lora.target_checks(
+            cfg.lora,
+            data.model_path(cfg),
+            cfg.run.trust_remote_code,
+            f"--init-from {cfg.init_from}" if cfg.init_from else f"--model {cfg.run.model}",
+        )
+
+
 # ----------------------------------------------------------------------------------------------
 # The loop
 
@@ -192,7 +304,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     """Run GRPO; `engine` lets a caller (the tests, tools/bench.py) bring an engine that already
     holds the base model."""
     rank, world = distributed.init(cfg.run.dist_timeout_s)
-    checks.grpo_flags(cfg, world)  # bad flags stop the run here, before any model or engine loads
+    flag_checks(cfg, world)  # bad flags stop the run here, before any model or engine loads
     memory.preflight(cfg, world)  # so does a run that cannot fit in this machine's memory
     device, bf16 = runtime.setup_process(cfg.run)
     task = data.load_task(cfg)  # and bad data here

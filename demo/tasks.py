@@ -4,7 +4,9 @@ its built-in base model is pretrained on (demo/bases.py).
 
 What it does:
 - sum3_split: the demo's 1,000 prompts "a+b+c=" (digits; "3+9+4=" -> "16"), split once into
-  RL-training and held-out prompts; noisy_corpus: the corpus from which the `tiny` base learns the
+  RL-training and held-out prompts; `python demo/tasks.py sum3` writes them, in that order, into the
+  cache (data.DATA_CACHE/sum3/train.jsonl and heldout.jsonl), where train.py --task sum3 and dpo.py
+  read them when no --data is given; noisy_corpus: the corpus from which the `tiny` base learns the
   task, with careless answers in it.
 - the chain sums (below): sums_split, the recipe's problems; `python demo/tasks.py sums DIR` writes
   them as DIR/train.jsonl and DIR/heldout.jsonl (the files train.py --task math and eval_aime.py
@@ -14,6 +16,7 @@ What it does:
   + 50?" -> "134"; `python demo/tasks.py add DIR` writes them the same way. SmolLM2-135M-Instruct
   answers a few of them right and seldom in \boxed{} (docs/smollm2.md): a task on which GRPO visibly
   learns in minutes on a CPU.
+- without DIR, `python demo/tasks.py NAME` writes into the cache's folder of that name.
 
 What it does not do: anything a run on real data needs (data.py), score (reward.py), or build the
 bases (demo/bases.py).
@@ -28,6 +31,7 @@ skill, not memorized answers.
 """
 
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -36,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checks import check, one_line_errors
-from data import INSTRUCTION, Problem, math_prompt
+from data import DATA_CACHE, INSTRUCTION, Problem, math_prompt
 
 # ----------------------------------------------------------------------------------------------
 # The sum of three digits: the CPU demo's task
@@ -52,22 +56,6 @@ def sum3_split(n_heldout: int = 200, seed: int = 1234) -> tuple[list[Problem], l
     ]
     random.Random(seed).shuffle(problems)
     return problems[n_heldout:], problems[:n_heldout]
-
-
-def sum3_pairs(problems: list[Problem], seed: int) -> list[tuple[str, str, str]]:
-    """dpo.py's demo preferences, (prompt, chosen, rejected) from the sum3 problems: two pairs per
-    prompt "a+b+c=", both with chosen = the right sum. The first rejects the careless a+b that the
-    base model prefers (when c != 0; when c = 0 it *is* the right sum, so another wrong number in
-    0..27 instead), the second another wrong number: rejecting only a+b would teach "not a+b", and
-    the probability it loses could go to any other wrong answer as well as to the right one."""
-    rng = random.Random(seed)
-    rows = []
-    for p in problems:
-        a, b, c = (int(x) for x in p.prompt.rstrip("=").split("+"))
-        others = rng.sample([n for n in range(28) if n not in (a + b + c, a + b)], 2)
-        for wrong in ([a + b] if c else others[1:]) + others[:1]:
-            rows.append((p.prompt, p.answer, str(wrong)))
-    return rows
 
 
 def noisy_corpus(problems: list[Problem], n: int, noise: float, seed: int = 0) -> list[str]:
@@ -225,11 +213,12 @@ def add_split(n_heldout: int = 200, seed: int = 2024) -> tuple[list[Problem], li
 
 def write_problems(folder: str, train: list[Problem], heldout: list[Problem], what: str) -> None:
     """DIR/train.jsonl (RL training problems) and DIR/heldout.jsonl (held-out problems), fields
-    problem / answer; written aside and renamed, so a file is whole or absent."""
+    problem / answer; written aside under a name of this process's and renamed, so a file is whole
+    or absent, even when two processes write it at once (parallel tests)."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     for name, problems in (("train.jsonl", train), ("heldout.jsonl", heldout)):
-        tmp = out / (name + ".tmp")
+        tmp = out / f".{name}.{os.getpid()}.tmp"
         tmp.write_text(
             "".join(json.dumps({"problem": p.prompt, "answer": p.answer}) + "\n" for p in problems)
         )
@@ -269,6 +258,7 @@ def digits_split(n_heldout_per_n: int = 50, n_train: int = 8000, seed: int = 99)
 
 
 TASKS = {
+    "sum3": (sum3_split, "sum-of-three-digits"),
     "sums": (lambda: sums_split()[:2], "chain-sum"),
     "add": (add_split, "two-digit addition"),
     "digits": (digits_split, "digit-sum"),
@@ -279,14 +269,14 @@ def main(argv: list[str]) -> None:
     check(
         [
             (
-                len(argv) == 2 and argv[0] in TASKS,
-                "usage: python demo/tasks.py sums|add|digits DIR   (writes DIR/train.jsonl and "
-                "DIR/heldout.jsonl)",
+                len(argv) in (1, 2) and argv[0] in TASKS,
+                f"usage: python demo/tasks.py {'|'.join(TASKS)} [DIR]   (writes DIR/train.jsonl "
+                f"and DIR/heldout.jsonl; DIR: {DATA_CACHE}/NAME)",
             )
         ]
     )
     split, what = TASKS[argv[0]]
-    write_problems(argv[1], *split(), what)
+    write_problems(argv[1] if len(argv) == 2 else DATA_CACHE / argv[0], *split(), what)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Shared, expensive fixtures: the built-in tiny base model and ONE vLLM engine for the whole test
-session.
+"""Shared, expensive fixtures: the demo's tiny base model and sum3 problems, built into the cache
+once at the session's start (as `make demo` does), and ONE vLLM engine for the whole test session.
+A test that needs another of the demo's bases takes `base`, which builds it through demo/bases.py.
 
 A second vLLM engine in the same process would cost ~10 s and another KV cache, so every test that
 needs vLLM takes `vllm_engine`, which is refit with the base model's weights before each use.
@@ -63,9 +64,17 @@ def make_dry_run(target: str, *variables: str) -> str:
 @pytest.fixture(scope="session")
 def tiny_path() -> str:
     from demo import bases
-    import model
 
-    return model.resolve(bases.TINY)
+    return bases.ensure(bases.TINY)
+
+
+@pytest.fixture(scope="session")
+def base():
+    """`base(NAME)`: the path of the demo's base NAME, built into the cache the first time (and
+    linked there, so that `--model NAME` finds it), as make builds it for its targets."""
+    from demo import bases
+
+    return bases.ensure
 
 
 @pytest.fixture(scope="session")
@@ -144,14 +153,15 @@ LONGEST_FIRST = [
 
 
 def pytest_sessionstart(session):
-    """Before xdist's workers start: the tiny base, which nearly every test needs, built once here
-    with every core (a fresh machine; the workers then find it in the cache). Without workers the
-    tiny_path fixture builds it when a test first needs it."""
-    if session.config.getoption("numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
-        from demo import bases
-        import model
+    """Before any test, and before xdist's workers start: the tiny base and the sum3 problems,
+    which nearly every test needs (`python train.py` with no flags reads both from the cache),
+    built once here with every core (on a fresh machine; later sessions find them in the cache, and
+    the workers find what this process built)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        from demo import bases, tasks
 
-        model.resolve(bases.TINY)
+        bases.ensure(bases.TINY)
+        tasks.main(["sum3"])
 
 
 def pytest_collection_modifyitems(items):

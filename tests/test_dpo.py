@@ -210,8 +210,7 @@ def test_bad_data_on_the_command_line_exits_2_before_any_model_loads(tmp_path):
     )
     # --model names a folder that does not exist: the flag check comes first, before the data
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"error: --model {tmp_path / 'absent'}: no such folder, and not a hub name like org/name "
-        "(built-in: tiny, tiny-math, r1-shape, smollm2)"
+        f"error: --model {tmp_path / 'absent'}: no such folder, and not a hub name like org/name"
     ]
     r = subprocess.run(
         [
@@ -329,7 +328,7 @@ def test_over_long_pairs_are_dropped_and_counted(tok, capsys):
 
 def test_synthetic_pairs_prefer_the_right_sum():
     train_set, _ = tasks.sum3_split()
-    rows = [dpo.PrefRow(*r) for r in tasks.sum3_pairs(train_set, seed=0)]
+    rows = dpo.sum3_pairs(train_set, seed=0)
     assert len(rows) == 2 * len(train_set)
     for p, r1, r2 in zip(train_set, rows[::2], rows[1::2]):
         a, b, c = (int(x) for x in p.prompt.rstrip("=").split("+"))

@@ -25,7 +25,6 @@ import train
 from checks import UserError, one_line_errors
 from runtime import config
 import batch
-import checks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (dict(dual_clip=0.5), 1, "--dual-clip 0.5"),
         (dict(max_skipped_steps=0), 1, "--max-skipped-steps 0"),
         (dict(val_fraction=1.0), 1, "--val-fraction 1.0"),
-        (dict(model="tiny-typo"), 1, "--model tiny-typo: no such folder, and not a hub name"),
+        (dict(model="tiny-typo"), 1, "--model tiny-typo: no such folder, not in "),
         (dict(model=str(ROOT)), 1, f"--model {ROOT}: not an HF model folder (no config.json)"),
         (
             dict(model=str(ROOT / "train.py")),
@@ -67,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 )
 def test_each_bad_flag_gets_one_line(flags, world, needle):
     with pytest.raises(UserError) as e:
-        checks.grpo_flags(config(train.Config, **flags), world)
+        train.flag_checks(config(train.Config, **flags), world)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
@@ -79,7 +78,7 @@ def test_optional_loggers_fail_early_when_not_installed(package):
         pytest.skip(f"{package} is installed here: nothing to refuse")
     flags = dict(tensorboard=True) if package == "tensorboard" else dict(wandb_project="p")
     with pytest.raises(UserError, match=f"needs the {package} package"):
-        checks.grpo_flags(config(train.Config, **flags), 1)
+        train.flag_checks(config(train.Config, **flags), 1)
 
 
 def one_line_error(fn, *args) -> str:
@@ -148,7 +147,7 @@ def test_every_entry_point_checks_its_flags_and_inputs_before_loading_anything(t
         (logs.main, ([str(tmp_path / "no-run")],), "no-run: no such run folder"),
         (logs.main, ([str(empty)],), f"{empty}: no metrics.jsonl"),
         (recipe.main, ([str(empty)],), f"{empty}: not a recipe folder"),
-        (tasks.main, (["sum", str(empty)],), "usage: python demo/tasks.py sums|add|digits DIR"),
+        (tasks.main, (["sum", str(empty)],), "usage: python demo/tasks.py sum3|sums|add|digits"),
         (bench.main, (bench.BenchConfig(steps=1),), "--steps 1: must be at least 2"),
         (bench.main, (bench.BenchConfig(group_size=1),), "--group-size 1"),
         (
@@ -181,8 +180,33 @@ def test_eval_aime_exits_2_with_one_line_before_any_engine(tmp_path):
     assert r.returncode == 2
     assert (
         r.stderr.strip()
-        == "error: --model /no/such/folder: no such folder, and not a hub name like org/name "
-        "(built-in: tiny, tiny-math, r1-shape, smollm2)"
+        == "error: --model /no/such/folder: no such folder, and not a hub name like org/name"
+    )
+
+
+@pytest.mark.slow  # processes of their own
+def test_python_train_py_on_a_fresh_machine_says_in_one_line_what_builds_the_demo(
+    tmp_path, tiny_path
+):
+    """`python train.py` with no flags needs the demo's tiny base and sum3 problems in the cache:
+    where either is missing, one line names the command that puts it there (make demo runs both)."""
+    from demo import bases
+
+    def train_py():
+        env = dict(os.environ, GRPO_CACHE=str(tmp_path / "cache"))
+        argv = [sys.executable, str(ROOT / "train.py"), "--out-dir", str(tmp_path / "run")]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        return r.stderr.strip()
+
+    line = train_py()
+    assert line.startswith(f"error: --model tiny: no such folder, not in {tmp_path / 'cache'}")
+    assert "`python demo/bases.py tiny` or `make demo` builds it there" in line
+    bases.link(tmp_path / "cache" / "models" / "tiny", Path(tiny_path))  # as bases.ensure does
+    line = train_py()
+    assert line == (
+        f"error: {tmp_path / 'cache' / 'data' / 'sum3' / 'train.jsonl'}: no such file (for the "
+        "demo's problems, `python demo/tasks.py sum3` or `make demo` writes them there)"
     )
 
 

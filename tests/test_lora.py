@@ -360,14 +360,14 @@ def test_a_lora_export_is_the_merged_model_and_peft_adapters(lora_run, tmp_path,
     assert float(r.stdout.split("DIFF")[1]) < 1e-3
 
 
-def test_memory_counts_the_adapters_peft_makes():
+def test_memory_counts_the_adapters_peft_makes(base):
     # memory.py's LoRA rows count r x (in + out) per linear layer; peft's own count on the 1.5B
     # shape (built empty, on the meta device) must agree, at two ranks
     import memory
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = model.resolve("r1-shape")
+    path = base("r1-shape")
     for r in (1, 8):
         with torch.device("meta"):
             empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))

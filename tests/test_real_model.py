@@ -121,8 +121,8 @@ def metrics(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def path() -> str:
-    return model.resolve(bases.SMOLLM2)
+def path(base) -> str:
+    return base(bases.SMOLLM2)
 
 
 @pytest.fixture(scope="module")

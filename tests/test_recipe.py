@@ -144,8 +144,9 @@ def test_smollm2_recipe_is_the_presets_at_a_smaller_scale(tmp_path):
     24K and the lr in the presets' ratio; eval_aime.py scores the base and every stage at one
     cap."""
     cmds = make_commands("smollm2-recipe", f"SR={tmp_path}", "SEED=1")
-    scripts = ["demo/tasks.py"] + ["eval_aime.py", "train.py"] * 3 + ["eval_aime.py"]
-    assert [c[0] for c in cmds] == scripts + ["tools/recipe.py"]
+    scripts = ["demo/bases.py", "demo/tasks.py"] + ["eval_aime.py", "train.py"] * 3
+    assert [c[0] for c in cmds] == scripts + ["eval_aime.py", "tools/recipe.py"]
+    assert cmds[0] == ["demo/bases.py", "smollm2"]  # the base, built into the cache first
     stages = [train.parse_args(c[1:]) for c in cmds if c[0] == "train.py"]
     for n, cfg in enumerate(stages, 1):
         preset = train.parse_args(["--stage", str(n)])

@@ -1,7 +1,8 @@
 """`make`'s checks before it installs anything (tools/check_setup.sh): the interpreter's version
 and, on a GPU machine, the NVIDIA driver. Each runs the real Makefile with `make -n` in a copy of
 it, with a stand-in interpreter or nvidia-smi first on PATH, so nothing is ever created or
-downloaded, even where a check would wrongly pass."""
+downloaded, even where a check would wrongly pass. And what each demo target builds into the cache
+(demo/bases.py, demo/tasks.py) before its entry point runs, read the same way."""
 
 import os
 import shutil
@@ -9,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import MAKE_ENV, needs_make
+from conftest import MAKE_ENV, make_dry_run, needs_make
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = needs_make
@@ -76,3 +77,21 @@ def test_a_cpu_machine_checks_only_the_python(tmp_path):
     r = make_n(tmp_path, sys.executable, driver=None)
     assert r.returncode == 0, r.stderr
     assert "pip install -q -r requirements-cpu.txt" in r.stdout
+
+
+def test_each_demo_target_builds_its_base_and_problems_before_its_entry_point():
+    """The core finds the demo's bases and sum3 problems in the cache and never builds them: each
+    target first runs demo/bases.py for its base (a MODEL= of the user's is left as it is) and
+    demo/tasks.py for its problems."""
+    want = {
+        "demo": [["demo/bases.py", "tiny"], ["demo/tasks.py", "sum3"], ["train.py"]],
+        "dpo": [["demo/bases.py", "tiny"], ["demo/tasks.py", "sum3"], ["dpo.py"]],
+        "recipe": [["demo/bases.py", "tiny-math"], ["demo/tasks.py", "sums"]],
+        "smollm2": [["demo/bases.py", "smollm2"], ["demo/tasks.py", "add"]],
+        "smollm2-recipe": [["demo/bases.py", "smollm2"], ["demo/tasks.py", "digits"]],
+    }
+    for target, first in want.items():
+        lines = [x.split()[1:] for x in make_dry_run(target, "R=r", "S=s", "SR=sr").splitlines()]
+        assert [line[: len(w)] for line, w in zip(lines, first)] == first, (target, lines)
+    lines = make_dry_run("recipe", "MODEL=/my/model").splitlines()
+    assert "demo/bases.py" not in "\n".join(lines) and " demo/tasks.py sums " in lines[0]

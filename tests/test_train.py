@@ -313,9 +313,10 @@ def test_bad_flags_fail_with_one_line_before_any_model_loads(monkeypatch, tmp_pa
         assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_answer_flag_chooses_how_the_math_reward_reads_answers(tmp_path):
+def test_answer_flag_chooses_how_the_math_reward_reads_answers(tmp_path, base):
     # --answer reaches the run's reward: a response in prose scores only under last-number, a boxed
     # one under both
+    base("smollm2")  # --model smollm2 is read from the cache
     problems = tmp_path / "add.jsonl"
     problems.write_text('{"problem": "What is 84 + 50?", "answer": "134"}\n')
     for answer, prose in (("boxed", 0.0), ("last-number", 1.0)):
@@ -342,8 +343,6 @@ def test_a_run_that_cannot_fit_in_memory_stops_with_one_line_naming_flags_before
     # tiny model
     if torch.cuda.is_available():
         pytest.skip("the memory check is CPU's (GPU runs are sized by --gpu-memory-utilization)")
-    # built here if it is not yet: the check reads its config.json, never its weights
-    model.resolve("tiny")
 
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the memory check")

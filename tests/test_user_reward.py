@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-import checks
 import eval_aime
 from demo import my_reward
 import rollout
@@ -154,14 +153,14 @@ def test_bad_reward_values_get_one_line(rewards, tmp_path, capsys):
     ]
     for spec, needle in cases:
         with pytest.raises(UserError) as e:
-            checks.grpo_flags(train.Config(reward=spec), 1)
+            train.flag_checks(train.Config(reward=spec), 1)
         msg = str(e.value)
         assert msg.startswith(f"--reward {spec}:") and needle in msg and "\n" not in msg, (
             spec,
             msg,
         )
     with pytest.raises(UserError, match="--reward-timeout-s 0.0: must be positive"):
-        checks.grpo_flags(train.Config(reward=f"{rewards}:right", reward_timeout_s=0.0), 1)
+        train.flag_checks(train.Config(reward=f"{rewards}:right", reward_timeout_s=0.0), 1)
     for spec, needle in (
         ("mth", "--reward mth: use math, exact, or your own"),
         (f"{rewards}:one_arg", "one_arg"),

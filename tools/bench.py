@@ -164,9 +164,9 @@ def large_model() -> str:
 
 
 def model_for(name: str) -> str:
-    if name == "smollm2":
-        return model.resolve(bases.SMOLLM2)
-    return model.resolve(bases.TINY) if name == "tiny" else large_model()
+    """The folder of a --models name: the demo's base of that name (built the first time), or the
+    bench's larger model."""
+    return bases.ensure(name) if name in (bases.TINY, bases.SMOLLM2) else large_model()
 
 
 ADD_TEMPLATE = ROOT / "demo" / "smollm2-prompt.txt"  # --workload additions' prompt

@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))  # run as a script: the core is one folder up
 import model
 import rollout
 from checks import check, one_line_errors
+from demo import bases
 from demo import tasks
 from tools.bench import at_least, cpu_description
 
@@ -56,7 +57,7 @@ def lora_main(cfg: LoraBenchConfig) -> None:
     from test_rollout import trainer_logprobs
 
     check(at_least(cfg, rank=1) + [(cfg.steps >= 2, "--steps: at least 2")])
-    path = model.resolve(cfg.model)
+    path = bases.ensure(cfg.model)  # built the first time
     torch.manual_seed(0)
     adapters = lora.Adapters(lora_rank=cfg.rank)
     policy = model.load_trainable(path, torch.device("cpu"), False, adapters=adapters)

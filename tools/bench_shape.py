@@ -106,8 +106,12 @@ def shape_main(cfg: ShapeConfig) -> None:
     shutil.rmtree(out / "run", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     t0, layers, vocab = time.time(), cfg.layers, cfg.vocab_size
-    path = bases.ensure_r1_shape_base(model.DEFAULT_CACHE, layers=layers, vocab_size=vocab)
     builtin = (layers, vocab) == (2, bases.R1_VOCAB)  # then train.py gets its name, as a user would
+    path = (
+        bases.ensure(bases.R1_SHAPE)  # and finds it in the cache's models/
+        if builtin
+        else bases.ensure_r1_shape_base(model.DEFAULT_CACHE, layers=layers, vocab_size=vocab)
+    )
     res = {"config": asdict(cfg), "model": path, "cpu": cpu_description()}
     res["build_s"] = time.time() - t0
     # the tokenizer is not kept: memory

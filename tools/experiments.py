@@ -70,12 +70,10 @@ from matplotlib.figure import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import logs
-import model
 import train
 from checks import UserError, one_line_errors
 from demo import bases
 from demo import tasks
-import checks
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: train.py, eval_aime.py
 
@@ -402,14 +400,29 @@ def folder_name(flags: list[str]) -> str:
     )
 
 
+def demo_inputs(cfg) -> None:
+    """What a run uses of the demo's, built into the cache as make builds it, before train.py's
+    checks look for it: its base (--model tiny, tiny-math, smollm2: minutes the first time, then a
+    lookup; here once, instead of by each of the first runs at once) and the sum3 problems."""
+    if cfg.run.model in bases.BUILTIN:
+        bases.ensure(cfg.run.model)
+    if (
+        cfg.task == "sum3"
+        and not cfg.run.data
+        and not (tasks.DATA_CACHE / "sum3" / "heldout.jsonl").is_file()
+    ):
+        tasks.main(["sum3"])  # `python demo/tasks.py sum3`
+
+
 def train_error(argv: list[str]) -> str | None:
     """train.py's own verdict on a list of flags, as one line: tyro's parse, then
-    checks.grpo_flags (no model loads)."""
+    train.flag_checks (no model loads; demo_inputs first)."""
     buf = io.StringIO()
     try:
         with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
             cfg = train.parse_args(argv)
-        checks.grpo_flags(cfg, 1)
+        demo_inputs(cfg)
+        train.flag_checks(cfg, 1)
     except UserError as e:
         return str(e)
     except SystemExit:  # tyro's own parse error, printed in a frame
@@ -583,18 +596,6 @@ def start(run: Run, threads: int, gpu: str | None = None) -> subprocess.Popen:
     )
     proc.t0, proc.gpu = time.time(), gpu
     return proc
-
-
-def build_bases(todo: list[Run]) -> None:
-    """A built-in base model (--model tiny, tiny-math) is built here once, before the runs start,
-    instead of by each of the first runs at once (minutes of the same work); once cached this is a
-    path lookup."""
-
-    for name in sorted(
-        {c.run.model for c in (train.parse_args(r.argv) for r in todo) if not c.init_from}
-    ):
-        if name in bases.BUILTIN:
-            model.resolve(name)
 
 
 def run_all(todo: list[Run], jobs: int, threads: int) -> list[Run]:
@@ -942,7 +943,6 @@ def main(cfg: ExpConfig) -> int:
         return 0
     out.mkdir(parents=True, exist_ok=True)
     (out / "setup.json").write_text(json.dumps({"setup": setup}))
-    build_bases(todo)
     failed = run_all(todo, jobs, cfg.threads)
     print("\n" + report(cfg, out, setup, variants, runs, time.time() - t0, len(todo), load))
     name = cfg.name or ("compare" if cfg.variant else cfg.preset)

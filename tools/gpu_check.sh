@@ -10,6 +10,8 @@
 #            gpu-wheels/ is git-ignored: it reaches the lent machine only when named in what the copy of the
 #            working tree carries (a device runner's extra paths), not with the tracked files
 #   cuda     a CUDA device torch can use, and a bf16 matmul on it                          (skipped: no GPU)
+#   demo     the demo's tiny base and sum3 problems into the cache (demo/bases.py tiny, demo/tasks.py sum3), as
+#            make demo builds them: train.py reads them there
 #   train    torchrun --nproc_per_node 1 train.py: 4 steps, checkpoints at 2 and 4; on a GPU in bf16 under FSDP2's
 #            mixed-precision policy (--mixed-precision auto) with float32 logits from bf16 operands
 #            (fastpaths.bf16_head, fastpaths.head_logits); vLLM engine when importable (compiled as NeMo-RL's
@@ -74,6 +76,7 @@ else
     echo "cuda    skipped: no GPU"
 fi
 
+run demo sh -c "\"$PY\" demo/bases.py tiny && \"$PY\" demo/tasks.py sum3"
 TRAIN=("$PY" -m torch.distributed.run --nproc_per_node 1 train.py --model tiny --engine "$engine" --prompts-per-step 8
        --group-size 4 --eval-prompts 16 --eval-every 2 --checkpoint-every 2 --keep-checkpoints 3 --out-dir "$OUT/run"
        --quiet --no-plot --gpu-memory-utilization 0.3)
