@@ -13,7 +13,7 @@ REQ := $(if $(GPU),requirements.txt,requirements-cpu.txt)
 STAMP := .venv/.installed-$(basename $(REQ))
 ARGS ?=
 
-.PHONY: demo dpo test test-fast lint format recipe smollm2 smollm2-recipe bench gpu-check gpu-wheels check-setup clean
+.PHONY: demo plain dpo test test-fast lint format recipe smollm2 smollm2-recipe bench gpu-check gpu-wheels check-setup clean
 # Each target below first builds what it uses of the demo's into the cache (~/.cache/grpo-minimal, or $GRPO_CACHE),
 # once per machine: its base model (demo/bases.py NAME, which --model NAME then finds in the cache's models/) and, for
 # the sum3 task, its problems (demo/tasks.py sum3); the core only reads them there. BASES: the demo's names; a MODEL=
@@ -23,6 +23,13 @@ demo: $(STAMP)
 	$(PY) demo/bases.py tiny
 	$(PY) demo/tasks.py sum3
 	$(PY) train.py $(ARGS)
+
+# GRPO in one file (plain_grpo.py, the definition train.py is tested equal to) on the demo's base and problems:
+# the tiny base's folder (demo/bases.py prints it) and the sum3 problems written to runs/plain/data
+plain: $(STAMP)
+	$(PY) demo/tasks.py sum3 runs/plain/data
+	$(PY) plain_grpo.py --task sum3 --model $$($(PY) demo/bases.py tiny) --data runs/plain/data/train.jsonl \
+		--val-data runs/plain/data/heldout.jsonl $(ARGS)
 
 dpo: $(STAMP)
 	$(PY) demo/bases.py tiny

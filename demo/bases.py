@@ -217,10 +217,15 @@ def ensure_base(out: Path, build, minutes: str) -> str:
         if (out / "config.json").exists():  # built by the process that held the lock
             return str(out)
         t0 = time.time()
-        print(f"building the base model {out} (once; {minutes} on 2 cores) ...", flush=True)
+        # on stderr: stdout carries only the folders main() prints (make reads them)
+        print(
+            f"building the base model {out} (once; {minutes} on 2 cores) ...",
+            file=sys.stderr,
+            flush=True,
+        )
         model, tok, extra = build()
         save_new(out, model, tok, extra)
-        print(f"{out.name} built in {time.time() - t0:.0f}s ({extra})", flush=True)
+        print(f"{out.name} built in {time.time() - t0:.0f}s ({extra})", file=sys.stderr, flush=True)
     return str(out)
 
 
