@@ -431,7 +431,7 @@ def die(out: Path):
 
 
 def hang(out: Path):
-    rank, _ = distributed.init(timeout_s=10)
+    rank, _ = distributed.init(timeout_s=3)
     torch.distributed.barrier()
     if rank == 1:
         time.sleep(600)
