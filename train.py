@@ -431,9 +431,9 @@ def collect_groups(
     world, tp, G = distributed.world_size(), cfg.tensor_parallel_size, cfg.group_size
     prompts_per_engine = cfg.prompts_per_step // (world // tp)
     prompts_per_rank = cfg.prompts_per_step // world
-    # this engine's groups for training (informative ones, with dynamic sampling), and the count of
-    # groups generated
-    informative, generated, zero_variance, rounds = [], 0, 0, 0
+    # this engine's groups for training (with dynamic sampling, only those whose rewards differ),
+    # and the count of groups generated
+    accepted, generated, zero_variance, rounds = [], 0, 0, 0
     while True:
         # a seed per step and round: fresh samples, the same at any world size (rollout_round gives
         # each prompt its own stream, seeded by its place in the step)
@@ -442,20 +442,20 @@ def collect_groups(
         )
         rounds, generated = rounds + 1, generated + len(groups)
         zero_variance += sum(int(rewards.std() == 0) for _, _, rewards in groups)
-        informative += [g for g in groups if not cfg.dynamic_sampling or g[2].std() > 0][
-            : prompts_per_engine - len(informative)
+        accepted += [g for g in groups if not cfg.dynamic_sampling or g[2].std() > 0][
+            : prompts_per_engine - len(accepted)
         ]
         if not cfg.dynamic_sampling or rounds >= cfg.dynamic_sampling_max_tries:
             break
         # every engine is full
-        short = float(len(informative) < prompts_per_engine)
+        short = float(len(accepted) < prompts_per_engine)
         if distributed.all_reduce_sum(torch.tensor([short])).item() == 0:
             break
     tp_rank = distributed.rank() % tp
     # this rank's part of its engine's groups; fewer than prompts_per_rank, or none, when dynamic
     # sampling ran short: no group trains twice
-    rank_groups = informative[tp_rank * prompts_per_rank : (tp_rank + 1) * prompts_per_rank]
-    if not informative and tp_rank == 0:  # the last round's groups are all uniform
+    rank_groups = accepted[tp_rank * prompts_per_rank : (tp_rank + 1) * prompts_per_rank]
+    if not accepted and tp_rank == 0:  # nothing informative: the last round's groups are uniform
         rank_groups = groups[:1]
     errors = task.reward_failures()
     return Groups(
@@ -477,7 +477,7 @@ def collect_groups(
         rounds=rounds,
         first_group=distributed.rank() * prompts_per_rank,
         reward_errors=errors if tp_rank == 0 else 0,
-        fallback=not informative and bool(rank_groups),
+        fallback=not accepted and bool(rank_groups),
     )
 
 
@@ -651,19 +651,21 @@ def old_logprobs(
             out[:, mb.rows, : mb.T] = torch.stack([lp, en]).cpu()
         return out
 
-    minibatch_count, top, cov = (
-        n_minibatches(cfg),
-        cfg.loss.top_entropy_quantile < 1,
-        cfg.loss.pg in grpo.COVARIANCE,
-    )
+    minibatch_count = n_minibatches(cfg)
+    entropy_on = cfg.loss.top_entropy_quantile < 1  # b.high_entropy_mask
+    cov_on = cfg.loss.pg in grpo.COVARIANCE  # b.covariance_mask
     # skipped rows get no old logprobs (0), unless the quantile or the covariance counts them
-    need_pass = minibatch_count > 1 or top or cov
-    old = pass_over(policy, skip=not (top or cov), entropy=top) if need_pass else None
+    need_pass = minibatch_count > 1 or entropy_on or cov_on
+    old = (
+        pass_over(policy, skip=not (entropy_on or cov_on), entropy=entropy_on)
+        if need_pass
+        else None
+    )
     b = replace(
         b,
         old_logp=old[0] if minibatch_count > 1 else None,
-        high_entropy_mask=high_entropy(b, old[1], cfg, first_group) if top else None,
-        covariance_mask=covariance_picks(b, old[0], cfg, first_group, step) if cov else None,
+        high_entropy_mask=high_entropy(b, old[1], cfg, first_group) if entropy_on else None,
+        covariance_mask=covariance_picks(b, old[0], cfg, first_group, step) if cov_on else None,
     )
     if ref is None:
         return b
