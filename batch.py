@@ -6,10 +6,10 @@ What it does:
 - Batch / make_batch: each sample's prompt + response one right-padded row, with its masks,
   advantage and the engine's logprobs; select keeps some rows, trimmed to their own lengths.
 - minibatches: the rows of each optimizer step, whole groups, the same at any world size.
-- plan: the micro-batches of some rows: those whose loss term can be non-zero (with skip: rows
-  of advantage exactly 0 add exactly 0), packed by prompt where the model allows
-  (fastpaths.prompt_packs), within a token budget, and as many on every rank (stand-ins where a
-  rank has fewer: FSDP's collectives need the same passes everywhere).
+- plan_micro_batches: the micro-batches of some rows: those whose loss term can be non-zero (with
+  skip: rows of advantage exactly 0 add exactly 0), packed by prompt where the model allows
+  (fastpaths.prompt_packs), within a token budget, and as many on every rank (FSDP placeholders
+  where a rank has fewer: FSDP's collectives need the same passes everywhere).
 
 What it does not do: compute anything of the loss (grpo.py) or the logprobs (model.py).
 """
@@ -42,10 +42,12 @@ class Batch:
     # [N, T] the trainer's, before the update (None: the update's own forward)
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None  # [N, T] the frozen start model's (--kl-beta > 0)
-    # [N, T] 1 on the tokens the policy-gradient term trains (--top-entropy-quantile < 1)
-    top: torch.Tensor | None = None
-    picked: torch.Tensor | None = None  # [N, T] 1 on Clip-Cov's / KL-Cov's tokens (--pg)
-    # rows (by place) that share a prompt, each pack one row of the forward (plan)
+    # [N, T] 1 on the high-entropy tokens, those the policy-gradient term trains
+    # (--top-entropy-quantile < 1: train.high_entropy)
+    high_entropy_mask: torch.Tensor | None = None
+    # [N, T] 1 on the tokens Clip-Cov clips / KL-Cov penalizes (--pg: train.covariance_picks)
+    covariance_mask: torch.Tensor | None = None
+    # rows (by place) that share a prompt, each pack one row of the forward (plan_micro_batches)
     packs: list[list[int]] | None = None
 
     @property
@@ -64,8 +66,9 @@ class Batch:
 
         return self.map(cut, lengths=[self.lengths[r] for r in rows], rows=list(rows))
 
-    def stand_in(self) -> "Batch":
-        """FSDP's stand-in for a micro-batch this rank lacks (plan): one row of two tokens, a prompt
+    def fsdp_placeholder(self) -> "Batch":
+        """A micro-batch of zero loss in place of one this rank lacks (plan_micro_batches), so that
+        every rank runs the same passes, as FSDP's collectives need: one row of two tokens, a prompt
         token and a response token (so every parameter takes part, as FSDP's gradient reduction
         needs), whose masks and advantage are 0, so its loss, gradient and metrics are 0; it costs
         two tokens, whatever the batch's rows."""
@@ -143,10 +146,11 @@ def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]
     return ids, am
 
 
-def trained_rows(b: Batch, rows: list[int], skip: bool, dense: bool) -> list[int]:
+def trained_rows(b: Batch, rows: list[int], skip: bool, advantage_free_term: bool) -> list[int]:
     """The rows of `rows` whose forward and backward run: all, or with `skip`
     (--skip-zero-advantage) those whose loss term can be non-zero: the advantage is not exactly 0
-    (or `dense`: a term that does not vanish with it is on, the KL term or the entropy bonus) and
+    (or `advantage_free_term`: a term that does not vanish with it is on, the KL term, the entropy
+    bonus or KL-Cov's penalty: train.has_advantage_free_term) and
     some token counts in the loss (--overlong-filter masks out a truncated row).
 
     Every term of the policy loss (PPO's clipped ratio, GSPO, CISPO, REINFORCE, dual clip, the
@@ -158,46 +162,53 @@ def trained_rows(b: Batch, rows: list[int], skip: bool, dense: bool) -> list[int
     Example: groups [1, 1, 1, 1] and [1, 0, 0, 1]: only the second group's 4 rows run."""
     if not skip:
         return list(rows)
-    return [r for r in rows if b.loss_mask[r].any() and (dense or b.advantages[r] != 0)]
+    return [
+        r for r in rows if b.loss_mask[r].any() and (advantage_free_term or b.advantages[r] != 0)
+    ]
 
 
-def minibatches(n_rows: int, n: int, group_size: int, first_group: int) -> list[list[int]]:
-    """This rank's rows of each of `n` minibatches. Minibatch k holds the groups whose step-wide
-    index j has j % n == k: whole groups, and the same minibatches at any world size (a contiguous
-    split per rank would mix different groups). Every rank makes the same number of optimizer
-    steps, even with an uneven share (dynamic sampling). Example (G = 2, 2 minibatches, 6 rows,
-    first group 0): [[0, 1, 4, 5], [2, 3]]."""
+def minibatches(
+    n_rows: int, n_minibatches: int, group_size: int, first_group: int
+) -> list[list[int]]:
+    """This rank's rows of each of `n_minibatches` minibatches. Minibatch k holds the groups whose
+    step-wide index j has j % n_minibatches == k: whole groups, and the same minibatches at any
+    world size (a contiguous split per rank would mix different groups). Every rank makes the same
+    number of optimizer steps, even with an uneven share (dynamic sampling). Example (G = 2, 2
+    minibatches, 6 rows, first group 0): [[0, 1, 4, 5], [2, 3]]."""
     G = group_size
+    n = n_minibatches
     return [[r for r in range(n_rows) if (first_group + r // G) % n == k] for k in range(n)]
 
 
-def plan(
+def plan_micro_batches(
     b: Batch,
     rows: list[int],
     token_budget: int,
     pack: bool,
     skip: bool = False,
-    dense: bool = False,
+    advantage_free_term: bool = False,
 ) -> list[Batch]:
     """The micro-batches a pass over `rows` of b runs (trained_rows: with `skip`, those whose loss
     term can be non-zero), each trimmed to its own rows, whose tokens stay within the budget
     (distributed.micro_batches: longest first), and as many on every rank: a rank with fewer runs
-    b.stand_in() in place of each it lacks. A collective. `pack`: rows that share a prompt go in
-    packs of at most the budget's tokens (fastpaths.prompt_packs), each a row of the forward
+    b.fsdp_placeholder() in place of each it lacks. A collective. `pack`: rows that share a prompt
+    go in packs of at most the budget's tokens (fastpaths.prompt_packs), each a row of the forward
     counted as its prompt plus its responses; a micro-batch holds whole packs (Batch.packs)."""
-    rows = trained_rows(b, rows, skip, dense)
-    units, cost = [[r] for r in rows], [b.lengths[r] for r in rows]
+    rows = trained_rows(b, rows, skip, advantage_free_term)
+    # the packs (rows of b; without `pack`, one row each) and each one's tokens in the forward
+    packs, pack_tokens = [[r] for r in rows], [b.lengths[r] for r in rows]
     if pack:
         prompts = [tuple(b.input_ids[r, : b.resp_start[r]].tolist()) for r in rows]
         resp = [b.lengths[r] - int(b.resp_start[r]) for r in rows]
-        packs = fastpaths.prompt_packs(prompts, resp, token_budget)
-        units = [[rows[i] for i in p] for p in packs]
-        cost = [len(prompts[p[0]]) + sum(resp[i] for i in p) for p in packs]
+        by_place = fastpaths.prompt_packs(prompts, resp, token_budget)  # places in `rows`
+        packs = [[rows[i] for i in p] for p in by_place]
+        pack_tokens = [len(prompts[p[0]]) + sum(resp[i] for i in p) for p in by_place]
     out = []
-    for us in distributed.micro_batches(cost, list(range(len(units))), token_budget):
-        mb = b.select([r for u in us for r in units[u]]) if us else b.stand_in()
-        if pack and us:  # each pack's rows by their place in mb
+    for mb_packs in distributed.micro_batches(pack_tokens, list(range(len(packs))), token_budget):
+        rows_here = [r for k in mb_packs for r in packs[k]]
+        mb = b.select(rows_here) if mb_packs else b.fsdp_placeholder()
+        if pack and mb_packs:  # each pack's rows by their place in mb
             at = iter(range(len(mb.rows)))
-            mb = replace(mb, packs=[[next(at) for _ in units[u]] for u in us])
+            mb = replace(mb, packs=[[next(at) for _ in packs[k]] for k in mb_packs])
         out.append(mb)
     return out

@@ -181,10 +181,11 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def from_block_head(t: torch.Tensor, size: int) -> torch.Tensor:
-    """t as the first rank of this rank's block of `size` consecutive ranks holds it (a collective;
-    t of one shape on every rank): the ranks of a tensor-parallel engine take one decision, not
-    one each (a reward with a timeout can score the same response differently on two ranks)."""
+def from_engine_leader(t: torch.Tensor, size: int) -> torch.Tensor:
+    """t as the engine leader holds it: the first rank of this rank's tensor-parallel group, the
+    block of `size` consecutive ranks that share an engine (a collective; t of one shape on every
+    rank): the ranks of a tensor-parallel engine take one decision, not one each (a reward with a
+    timeout can score the same response differently on two ranks)."""
     if not _OURS or size == 1:
         return t
     out = [torch.empty_like(t) for _ in range(_WORLD)]

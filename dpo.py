@@ -179,7 +179,7 @@ class Pair:
     prompt: tuple[int, ...]
     chosen: tuple[int, ...]  # response tokens, ending with EOS
     rejected: tuple[int, ...]
-    weight: float = 1.0  # its share of the loss: 1, or 0 for FSDP's stand-in (STAND_IN)
+    weight: float = 1.0  # its share of the loss: 1, or 0 for FSDP_PLACEHOLDER
 
     @property
     def length(self) -> int:  # the padded width of the pair's two rows
@@ -341,18 +341,19 @@ def pair_logps(
     return s[: len(pairs)], s[len(pairs) :]
 
 
-# one token of prompt and one of each response, whatever the length of the real pairs, and no share
-# of the loss
-STAND_IN = Pair((1,), (2,), (2,), weight=0.0)
+# a micro-batch of zero loss in place of one this rank lacks (FSDP's collectives need the same
+# passes on every rank): one token of prompt and one of each response, whatever the length of the
+# real pairs, and no share of the loss
+FSDP_PLACEHOLDER = Pair((1,), (2,), (2,), weight=0.0)
 
 
 def pair_micro_batches(pairs: list[Pair], token_budget: int) -> list[tuple[list[int], list[Pair]]]:
     """(rows, their pairs) per micro-batch: whole pairs (the loss needs both rows) within the token
     budget counted over both padded rows, longest first (distributed.micro_batches), and as many on
-    every rank: a rank with fewer runs ([], [STAND_IN]) in place of each it lacks (FSDP's
+    every rank: a rank with fewer runs ([], [FSDP_PLACEHOLDER]) in place of each it lacks (FSDP's
     collectives need the same passes). A collective."""
     return [
-        (rows, [pairs[i] for i in rows] or [STAND_IN])
+        (rows, [pairs[i] for i in rows] or [FSDP_PLACEHOLDER])
         for rows in distributed.micro_batches(
             [2 * p.length for p in pairs], list(range(len(pairs))), token_budget
         )
@@ -402,7 +403,7 @@ def eval_logps(m, pairs: list[Pair], cfg: DPOConfig, device, pad_id: int) -> tor
     out = torch.zeros(len(pairs), 2, dtype=torch.float64)
     for rows, mb in pair_micro_batches(pairs, cfg.run.micro_batch_tokens):
         lp = pair_logps(m, mb, cfg, device, pad_id, grad=False)  # chosen [n], rejected [n]
-        out[rows] = torch.stack(lp, 1).double().cpu()  # a stand-in's rows are none
+        out[rows] = torch.stack(lp, 1).double().cpu()  # a placeholder's rows are none
     return out
 
 

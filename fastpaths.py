@@ -284,11 +284,12 @@ class Packed:
     dataclass: FSDP2 copies dataclasses in a forward's arguments, and `calls` must count on this
     one."""
 
-    def __init__(self, seg: list[torch.Tensor], back: torch.Tensor):
-        # per bucket of rows of similar length, [rows, Ls]: each row's prompt then its response,
-        # right-padded with its last position
-        self.seg = seg
-        self.back = back  # [Bp * Lp] for each packed position, its output's place in the buckets'
+    def __init__(self, buckets: list[torch.Tensor], out_place: torch.Tensor):
+        # per bucket of rows of similar length, [rows, Ls]: the packed positions of each row's
+        # prompt then its response, right-padded with its last position
+        self.buckets = buckets
+        # [Bp * Lp] for each packed position, its output's place in the buckets' outputs
+        self.out_place = out_place
         self.calls = 0  # attention layers that ran on it (LogprobModel checks the model passed it)
 
 
@@ -299,7 +300,7 @@ def packed_attention(module, query, key, value, attention_mask, packed: Packed |
     each packed position takes its output from the row it belongs to (a prompt's from its pack's
     first row). So every token attends to what it would in its own row, and the attention costs
     what one row per sample costs, while the matmuls see the prompt once. Rows of similar length
-    share an SDPA call (Packed.seg's buckets). Without `packed` it is HF's SDPA unchanged.
+    share an SDPA call (Packed.buckets). Without `packed` it is HF's SDPA unchanged.
     query [Bp, H, Lp, D], key and value [Bp, Hkv, Lp, D] -> ([Bp, Lp, H, D], None)."""
     if packed is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
@@ -307,17 +308,17 @@ def packed_attention(module, query, key, value, attention_mask, packed: Packed |
     kw.pop("is_causal", None)
     q, k, v = (x.transpose(1, 2).flatten(0, 1) for x in (query, key, value))  # [Bp * Lp, h, D]
     outs = []
-    for seg in packed.seg:
-        b, Ls = seg.shape
+    for bucket in packed.buckets:
+        b, Ls = bucket.shape
 
         def rows(x):  # [Bp * Lp, h, D] -> [b, h, Ls, D]
-            return x.index_select(0, seg.flatten()).view(b, Ls, *x.shape[1:]).transpose(1, 2)
+            return x.index_select(0, bucket.flatten()).view(b, Ls, *x.shape[1:]).transpose(1, 2)
 
         out, _ = sdpa_attention_forward(
             module, rows(q), rows(k), rows(v), None, is_causal=True, **kw
         )
         outs.append(out.flatten(0, 1))  # [b * Ls, H, D]
-    out = torch.cat(outs).index_select(0, packed.back)  # [Bp * Lp, H, D]
+    out = torch.cat(outs).index_select(0, packed.out_place)  # [Bp * Lp, H, D]
     return out.view(query.shape[0], query.shape[2], *out.shape[1:]), None
 
 
@@ -337,17 +338,17 @@ def pack_rows(input_ids, attention_mask, resp_start, packs: list[list[int]]):
 
     Example: a pack of two rows of prompt [p0, p1], responses [a0, a1] and [b0] ->
       ids [p0, p1, a0, a1, b0]   positions [0, 1, 2, 3, 2]
-      rows' tokens (Packed.seg) [[0, 1, 2, 3]] and [[0, 1, 4]] (lengths 4 and 3: a bucket each)
-      outputs (Packed.back) [0, 1, 2, 3, 6]: the first row's 4 places, then the second's
-    Returns ids [Bp, Lp], positions [Bp, Lp], Packed, and for each input row its pack and the
-    packed column of its first response token."""
+      rows' tokens (Packed.buckets) [[0, 1, 2, 3]] and [[0, 1, 4]] (lengths 4 and 3: a bucket each)
+      outputs (Packed.out_place) [0, 1, 2, 3, 6]: the first row's 4 places, then the second's
+    Returns ids [Bp, Lp], positions [Bp, Lp], Packed, and for each input row [N] its pack
+    (pack_of_row) and the packed column of its first response token (resp_col)."""
     device, input_ids = input_ids.device, input_ids.cpu()  # built on the CPU, sent once
     lens = attention_mask.sum(1).tolist()
     starts = resp_start.tolist()
     width = max(starts[p[0]] + sum(lens[i] - starts[i] for i in p) for p in packs)
     ids = input_ids.new_zeros(len(packs), width)
     pos = torch.zeros_like(ids)
-    where, first = [0] * len(lens), [0] * len(lens)
+    pack_of_row, resp_col = [0] * len(lens), [0] * len(lens)
     tokens = [None] * len(lens)  # each row's flat packed positions: its prompt, then its response
     for k, pack in enumerate(packs):
         P, base = starts[pack[0]], k * width
@@ -359,38 +360,41 @@ def pack_rows(input_ids, attention_mask, resp_start, packs: list[list[int]]):
             ids[k, c : c + n] = input_ids[i, P : P + n]
             pos[k, c : c + n] = torch.arange(P, P + n)
             tokens[i] = base + torch.cat([torch.arange(P), torch.arange(c, c + n)])
-            where[i], first[i] = k, c
+            pack_of_row[i], resp_col[i] = k, c
             c += n
-    # buckets of rows by length, longest first; place: where a row's outputs start in theirs
-    seg, place, done = [], [0] * len(lens), 0
+    # buckets of rows by length, longest first; out_start: where a row's outputs start in theirs
+    buckets, out_start, done = [], [0] * len(lens), 0
     order = sorted(range(len(lens)), key=lambda i: -lens[i])
     while order:
         Ls = lens[order[0]]
         rows = list(takewhile(lambda i: lens[i] >= BUCKET * Ls, order))
         order = order[len(rows) :]
-        seg.append(
+        buckets.append(
             torch.stack([torch.cat([tokens[i], tokens[i][-1:].expand(Ls - lens[i])]) for i in rows])
         )
         for j, i in enumerate(rows):
-            place[i] = done + j * Ls
+            out_start[i] = done + j * Ls
         done += len(rows) * Ls
-    back = torch.zeros(len(packs) * width, dtype=torch.long)  # padding: any output
+    out_place = torch.zeros(len(packs) * width, dtype=torch.long)  # padding: any output
     for k, pack in enumerate(packs):
         for i in pack:  # each response's own outputs; the prompt's from the pack's first row
-            back[tokens[i][starts[i] :]] = place[i] + torch.arange(starts[i], lens[i])
-        back[tokens[pack[0]][: starts[pack[0]]]] = place[pack[0]] + torch.arange(starts[pack[0]])
+            out_place[tokens[i][starts[i] :]] = out_start[i] + torch.arange(starts[i], lens[i])
+        head, P = pack[0], starts[pack[0]]
+        out_place[tokens[head][:P]] = out_start[head] + torch.arange(P)
     to = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
-    ids, pos, back, where, first, *seg = to(
-        ids, pos, back, torch.tensor(where), torch.tensor(first), *seg
+    ids, pos, out_place, pack_of_row, resp_col, *buckets = to(
+        ids, pos, out_place, torch.tensor(pack_of_row), torch.tensor(resp_col), *buckets
     )
-    return ids, pos, Packed(seg, back), where, first
+    return ids, pos, Packed(buckets, out_place), pack_of_row, resp_col
 
 
 def packed_hidden(root, input_ids, attention_mask, resp_start, packs, rows, cols):
     """The final hidden states [N, H] that predict response token cols[i] of row rows[i], from the
     decoder run on packed rows (pack_rows: each pack of `packs` one row)."""
     decoder = root.lm.get_decoder()
-    ids, positions, packed, where, first = pack_rows(input_ids, attention_mask, resp_start, packs)
+    ids, positions, packed, pack_of_row, resp_col = pack_rows(
+        input_ids, attention_mask, resp_start, packs
+    )
     # a 4D mask passes through HF untouched (packed_attention reads `packed` instead); without one,
     # HF would build a [Bp, Lp, Lp] mask from the positions' restarts
     unused = torch.ones(len(packs), 1, 1, 1, dtype=torch.bool, device=ids.device)
@@ -402,11 +406,11 @@ def packed_hidden(root, input_ids, attention_mask, resp_start, packs, rows, cols
             f"{type(root.lm).__name__}'s layers do not pass keyword arguments to their attention: "
             "its rows cannot share a prompt (--no-share-prompt)"
         )
-    # response token t of row r: predicted at its pack's column first[r] + t - 1, and token 0 of
+    # response token t of row r: predicted at its pack's column resp_col[r] + t - 1, and token 0 of
     # every row at the prompt's last position
-    where, first = where[rows], first[rows]  # [N]
-    col = torch.where(cols == 0, resp_start[rows] - 1, first + cols - 1)  # [N]
-    return hidden[where, col]
+    pack_of_row, resp_col = pack_of_row[rows], resp_col[rows]  # [N]
+    col = torch.where(cols == 0, resp_start[rows] - 1, resp_col + cols - 1)  # [N]
+    return hidden[pack_of_row, col]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ Pass@k (LossConfig.adv_estimator grpo_passk, passk_advantages) trains on each gr
 only: A = (r_max - r_2nd) / (std + eps) for it, 0 for the rest (verl's grpo_passk).
 
 What it does not do: decide which tokens are valid (train.py builds the mask, including overlong
-filtering), or know global quantities on its own (train.py passes `num_tokens`, already summed over
+filtering), or know global quantities on its own (train.py passes `normalizer`, already summed over
 micro-batches and ranks, so the gradient does not depend on how the batch was split, and the batch
 std for --adv-scale batch).
 
@@ -411,26 +411,29 @@ def policy_loss(
     advantages: torch.Tensor,  # [B] one advantage per response
     mask: torch.Tensor,  # [B, T] 1 for tokens that count in the loss
     cfg: LossConfig,
-    # token level: valid tokens in the whole global (mini)batch; sequence level: number of sequences
-    num_tokens: float,
+    # token level: loss tokens in the whole global (mini)batch; sequence level: its sequences
+    normalizer: float,
     ref_logp: torch.Tensor | None = None,  # [B, T] reference-model logprobs when cfg.kl_beta > 0
     gen_logp: torch.Tensor | None = None,  # [B, T] the engine's logprobs, needed for is_correction
     entropy: torch.Tensor | None = None,  # [B, T] the policy's entropy, with grad: entropy_coeff
-    top: torch.Tensor | None = None,  # [B, T] 1 on the high-entropy tokens: top_entropy_quantile
-    picked: torch.Tensor | None = None,  # [B, T] 1 on clip_cov's / kl_cov's tokens
+    # [B, T] 1 on the high-entropy tokens (top_entropy_quantile < 1)
+    high_entropy_mask: torch.Tensor | None = None,
+    # [B, T] 1 on the tokens clip_cov clips / kl_cov penalizes (covariance_tokens)
+    covariance_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossMetrics]:
     """This micro-batch's share of the loss of the global batch, and its diagnostics (LossMetrics:
     sums).
 
-    The returned loss is a *sum* divided by the global normalizer `num_tokens`, so summing it (and
-    its gradient) over micro-batches and ranks gives exactly the full-batch loss. Metrics are sums
-    too: divide by `tokens`, the count of loss tokens (is_oob by is_units), after reducing.
+    The returned loss is a *sum* divided by the global `normalizer` (token level: the loss tokens
+    of the minibatch; sequence level: its sequences that have any; train.normalizer), so summing it
+    (and its gradient) over micro-batches and ranks gives exactly the full-batch loss. Metrics are
+    sums too: divide by `tokens`, the count of loss tokens (is_oob by is_units), after reducing.
     """
     err = config_error(cfg)
     if err:
         raise ValueError(err)
-    if cfg.pg in COVARIANCE and picked is None:
-        raise ValueError(f"--pg {cfg.pg} needs the picked tokens (covariance_tokens)")
+    if cfg.pg in COVARIANCE and covariance_mask is None:
+        raise ValueError(f"--pg {cfg.pg} needs the covariance mask (covariance_tokens)")
     mask = mask.to(logp.dtype)
     A = advantages.to(logp.dtype)[:, None]  # [B, 1]
     log_ratio = logp - old_logp  # [B, T]
@@ -445,10 +448,10 @@ def policy_loss(
     elif cfg.pg == "reinforce":
         pg = -A * logp
     elif cfg.pg == "kl_cov":
-        pg = -A * ratio + cfg.ppo_kl_coef * log_ratio.abs() * picked
+        pg = -A * ratio + cfg.ppo_kl_coef * log_ratio.abs() * covariance_mask
     else:
         pg = torch.maximum(-A * ratio, -A * clipped)  # [B, T]
-        pg = pg * (1 - picked) if cfg.pg == "clip_cov" else pg
+        pg = pg * (1 - covariance_mask) if cfg.pg == "clip_cov" else pg
     if cfg.dual_clip > 0:
         pg = torch.where(A < 0, torch.minimum(pg, -cfg.dual_clip * A), pg)
 
@@ -465,8 +468,10 @@ def policy_loss(
         if entropy is None:
             raise ValueError("entropy_coeff needs the policy's entropy (entropy)")
         per_token = per_token - cfg.entropy_coeff * entropy
-    if top is not None:  # the bonus acts on the trained tokens, as TRL's; the KL on every one
-        per_token = per_token * top
+    if (
+        high_entropy_mask is not None
+    ):  # the bonus acts on the trained tokens, as TRL's; the KL on every one
+        per_token = per_token * high_entropy_mask
 
     kl = torch.zeros_like(logp)
     if cfg.kl_beta > 0:
@@ -478,9 +483,9 @@ def policy_loss(
         per_token = per_token + cfg.kl_beta * kl
 
     if cfg.token_level:
-        loss = (per_token * mask).sum() / num_tokens
+        loss = (per_token * mask).sum() / normalizer
     else:
-        loss = _seq_mean(per_token, mask).sum() / num_tokens  # an all-masked row adds 0
+        loss = _seq_mean(per_token, mask).sum() / normalizer  # an all-masked row adds 0
 
     with torch.no_grad():
         clips = cfg.pg in ("ppo", "gspo", "cispo", "clip_cov")

@@ -205,7 +205,7 @@ class StepSums:
     seqs: float
     resp_tokens: float
     truncated: float
-    groups: float  # drawn, over every dynamic-sampling round
+    groups: float  # generated, over every dynamic-sampling round (Groups.generated)
     zero_var_groups: float
     adv: float
     adv_sq: float
@@ -235,7 +235,7 @@ def step_metrics(
         groups.rewards.numel(),
         float(b.resp_mask.sum()),
         float(b.truncated.sum()),
-        groups.drawn,
+        groups.generated,
         groups.zero_variance,
         float(a.sum()),
         float((a * a).sum()),

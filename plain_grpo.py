@@ -27,7 +27,7 @@ What train.py has that this file leaves out, where it lives, and the test that h
   test_distributed.py::test_skipping_zero_advantage_rows_gives_the_same_update
 - a group's prompt computed once (fastpaths.pack_rows, --share-prompt):
   test_distributed.py::test_sharing_a_prompt_gives_the_same_update
-- token-budget micro-batches (batch.plan, --micro-batch-tokens):
+- token-budget micro-batches (batch.plan_micro_batches, --micro-batch-tokens):
   test_grpo.py::test_microbatch_split_gives_same_loss_and_grad
 - the LM head's written-out backward, in chunks (fastpaths.HeadLogprob, --logprob-chunk-tokens):
   test_model.py::test_chunked_gradient_matches_float64_reference
@@ -43,7 +43,7 @@ What train.py has that this file leaves out, where it lives, and the test that h
   test_distributed.py::test_bf16_policies_give_the_float64_update_within_bf16s_error
 - an update whose gradient is not finite skipped (runtime.optimizer_step):
   test_faults.py::test_nan_in_the_loss_skips_the_update_and_keeps_the_weights
-- each response's limit from --max-seq-len, long prompts dropped (train.budget, data.py):
+- each response's limit from --max-seq-len, long prompts dropped (train.response_limit, data.py):
   test_rollout.py::test_each_response_gets_what_its_prompt_leaves_hf
 - checkpoints and resume, metrics.jsonl, the engine/trainer mismatch metrics, user rewards, prompt
   templates, the DeepScaleR presets (runtime.Run, checkpoint.py, grpo.mismatch_metrics,

@@ -54,7 +54,7 @@ def exact_reward(response: str, gold: str) -> float:
 
 def overlong_penalty(length: int, max_len: int, buffer: int, penalty: float = 1.0) -> float:
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward of a response
-    of `length` tokens, L_max = max_len (the response's own limit, train.budget), L_cache =
+    of `length` tokens, L_max = max_len (the response's own limit, train.response_limit), L_cache =
     buffer:
 
       R_length = 0                                          |y| <= L_max - L_cache

@@ -33,7 +33,11 @@ import model
 
 @dataclass
 class Sample:
-    prompt_idx: int  # which prompt of the request this sample answers
+    """One response. prompt_idx always indexes the list of prompts the sample travels with: the
+    request's (Engine.generate), and once train.collect_groups has given a rank its groups,
+    Groups.prompts (collect_groups re-indexes it), which batch.make_batch reads."""
+
+    prompt_idx: int  # the index of the prompt this sample answers, in its list of prompts
     token_ids: list[int]  # response tokens, including the EOS token when the response stopped on it
     # the engine's log pi(token) for each response token, at the sampling temperature
     logprobs: list[float]

@@ -315,7 +315,7 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
     opt, sched = runtime.optimizer(policy, cfg.run)
     stream = data.PromptStream(len(task.train), cfg.run.seed)
     # the run folder, metrics.jsonl, Ctrl-C (only a command-line run owns the process's Ctrl-C)
-    run = runtime.Run(cfg, "GRPO", SHOW, sigint=__name__ == "__main__")
+    run = runtime.Run(cfg, "GRPO", PROGRESS_BAR_FIGURES, sigint=__name__ == "__main__")
     pad = task.tok.pad_token_id
 
     # the newest readable checkpoint's step, or 0; one saved over other problems is refused
@@ -355,7 +355,9 @@ def train(cfg: Config, engine: rollout.Engine | None = None) -> dict:
 
 
 # the progress bar's figures
-SHOW = dict(reward="reward_mean", heldout="heldout_pass1", mpe="token_mult_prob_error")
+PROGRESS_BAR_FIGURES = dict(
+    reward="reward_mean", heldout="heldout_pass1", mpe="token_mult_prob_error"
+)
 
 
 def load_policy_and_ref(cfg: Config, path: str, device):
@@ -367,7 +369,7 @@ def load_policy_and_ref(cfg: Config, path: str, device):
     policy = model.load_trainable(
         path, device, ckpt, remote, adapters=cfg.lora, bf16_params=bf16_params
     )
-    if cfg.skip_zero_advantage and dense(cfg):  # batch.trained_rows
+    if cfg.skip_zero_advantage and has_advantage_free_term(cfg):  # batch.trained_rows
         distributed.print0(
             "--kl-beta / --entropy-coeff / --pg kl_cov: every sample with loss tokens "
             "runs forward and backward in the update (their terms do not vanish with the advantage)"
@@ -389,9 +391,11 @@ class Groups:
     """This rank's groups of one step: G samples of each of P prompts, scored."""
 
     prompts: list[list[int]]  # [P] prompt token ids
-    samples: list[rollout.Sample]  # [P * G], prompt-major; sample.prompt_idx indexes `prompts`
+    # [P * G], prompt-major; each sample's prompt_idx indexes `prompts` above (this rank's groups),
+    # not the engine's request it came from (collect_groups re-indexes it)
+    samples: list[rollout.Sample]
     rewards: torch.Tensor  # [P, G]
-    drawn: int  # groups generated, over every dynamic-sampling round (this rank's engine)
+    generated: int  # groups generated, over every dynamic-sampling round (this rank's engine)
     zero_variance: int  # of those, groups whose rewards were all equal (no learning signal)
     rounds: int  # generation rounds (1 unless dynamic sampling drew more)
     # the step-wide index of this rank's first group (minibatches are made of whole groups)
@@ -411,7 +415,7 @@ def collect_groups(
     the engine answers each prompt 8 times ("3+9+4=" -> "16", "12", "16", ...) and each answer is
     scored against the gold one:
       Groups(prompts=[32 prompts' token ids], samples=[256 samples, prompt-major],
-             rewards=[[1., 0., 1., ...], ...] (a [32, 8] tensor), drawn=32, zero_variance=5,
+             rewards=[[1., 0., 1., ...], ...] (a [32, 8] tensor), generated=32, zero_variance=5,
              rounds=1, first_group=0)
 
     Each engine takes its share of the step's prompts (rollout_round) and a prompt's G samples stay
@@ -419,49 +423,61 @@ def collect_groups(
     rewards its first rank computed, then each keeps its part of the groups. With dynamic sampling
     (DAPO), groups whose rewards are all equal are dropped and more rounds drawn until every engine
     has its share of informative groups or the tries run out; all ranks make the same number of
-    rounds. A rank whose part is empty trains nothing this step (FSDP's stand-ins keep it in step),
+    rounds. A rank whose part is empty trains nothing this step (FSDP placeholders keep it in step),
     except that an engine that kept nothing gives its first rank one uniform group (advantage 0,
     Groups.fallback: the overlong punishment would make its rewards differ, and a group dynamic
     sampling rejected would train), so that every step has rows to measure.
     """
     world, tp, G = distributed.world_size(), cfg.tensor_parallel_size, cfg.group_size
-    per_engine, per_rank = cfg.prompts_per_step // (world // tp), cfg.prompts_per_step // world
-    kept, drawn, zero_variance, rounds = [], 0, 0, 0
+    prompts_per_engine = cfg.prompts_per_step // (world // tp)
+    prompts_per_rank = cfg.prompts_per_step // world
+    # this engine's groups for training (with dynamic sampling, only those whose rewards differ),
+    # and the count of groups generated
+    accepted, generated, zero_variance, rounds = [], 0, 0, 0
     while True:
         # a seed per step and round: fresh samples, the same at any world size (rollout_round gives
         # each prompt its own stream, seeded by its place in the step)
         groups = rollout_round(
             engine, task, stream, cfg, hash((cfg.run.seed, step, rounds)) % 2**31, times
         )
-        rounds, drawn = rounds + 1, drawn + len(groups)
+        rounds, generated = rounds + 1, generated + len(groups)
         zero_variance += sum(int(rewards.std() == 0) for _, _, rewards in groups)
-        kept += [g for g in groups if not cfg.dynamic_sampling or g[2].std() > 0][
-            : per_engine - len(kept)
+        accepted += [g for g in groups if not cfg.dynamic_sampling or g[2].std() > 0][
+            : prompts_per_engine - len(accepted)
         ]
         if not cfg.dynamic_sampling or rounds >= cfg.dynamic_sampling_max_tries:
             break
         # every engine is full
-        if distributed.all_reduce_sum(torch.tensor([float(len(kept) < per_engine)])).item() == 0:
+        short = float(len(accepted) < prompts_per_engine)
+        if distributed.all_reduce_sum(torch.tensor([short])).item() == 0:
             break
     tp_rank = distributed.rank() % tp
-    # fewer than per_rank, or none, when dynamic sampling ran short: no group trains twice
-    mine = kept[tp_rank * per_rank : (tp_rank + 1) * per_rank]
-    if not kept and tp_rank == 0:  # nothing informative: the last round's groups are all uniform
-        mine = groups[:1]
+    # this rank's part of its engine's groups; fewer than prompts_per_rank, or none, when dynamic
+    # sampling ran short: no group trains twice
+    rank_groups = accepted[tp_rank * prompts_per_rank : (tp_rank + 1) * prompts_per_rank]
+    if not accepted and tp_rank == 0:  # nothing informative: the last round's groups are uniform
+        rank_groups = groups[:1]
     errors = task.reward_failures()
     return Groups(
-        prompts=[task.train_prompts[i] for i, _, _ in mine],
+        prompts=[task.train_prompts[i] for i, _, _ in rank_groups],
+        # prompt_idx: from the place in the engine's request to the place in `prompts` above
         samples=[
-            replace(s, prompt_idx=k) for k, (_, samples, _) in enumerate(mine) for s in samples
+            replace(s, prompt_idx=k)
+            for k, (_, samples, _) in enumerate(rank_groups)
+            for s in samples
         ],
-        rewards=torch.stack([rewards for _, _, rewards in mine]) if mine else torch.zeros(0, G),
+        rewards=(
+            torch.stack([rewards for _, _, rewards in rank_groups])
+            if rank_groups
+            else torch.zeros(0, G)
+        ),
         # an engine's figures once, not once per tensor-parallel rank
-        drawn=drawn if tp_rank == 0 else 0,
+        generated=generated if tp_rank == 0 else 0,
         zero_variance=zero_variance if tp_rank == 0 else 0,
         rounds=rounds,
-        first_group=distributed.rank() * per_rank,
+        first_group=distributed.rank() * prompts_per_rank,
         reward_errors=errors if tp_rank == 0 else 0,
-        fallback=not kept and bool(mine),
+        fallback=not accepted and bool(rank_groups),
     )
 
 
@@ -472,25 +488,26 @@ def rollout_round(
     [(the prompt's index in the training set, its G samples, their rewards [G]), ...]."""
     tp, G = cfg.tensor_parallel_size, cfg.group_size
     engine_rank = distributed.rank() // tp
-    n = cfg.prompts_per_step // (distributed.world_size() // tp)  # prompts per engine
+    prompts_per_engine = cfg.prompts_per_step // (distributed.world_size() // tp)
     # 1. every rank draws the whole step's prompts, so that all streams stay in step, and keeps its
     # engine's share
-    ids = stream.take(cfg.prompts_per_step)[engine_rank * n : (engine_rank + 1) * n]
+    first_prompt = engine_rank * prompts_per_engine
+    ids = stream.take(cfg.prompts_per_step)[first_prompt : first_prompt + prompts_per_engine]
     prompts = [task.train_prompts[i] for i in ids]
     with runtime.timed(times, "generate"):  # 2.
         samples = engine.generate(
             prompts,
             n=G,
-            max_tokens=[budget(cfg, p) for p in prompts],
+            max_tokens=[response_limit(cfg, p) for p in prompts],
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             progress=runtime.bars(cfg),
             min_tokens=cfg.min_new_tokens,
             seed=seed,
-            first_index=engine_rank * n,  # the prompts' place in the step: their streams
+            first_index=first_prompt,  # the prompts' place in the step: their streams
         )
     with runtime.timed(times, "score"):  # 3. one engine's ranks: its first rank's rewards
-        rewards = distributed.from_block_head(score(task, ids, samples, G), tp)  # [len(ids), G]
+        rewards = distributed.from_engine_leader(score(task, ids, samples, G), tp)  # [len(ids), G]
     return [(i, samples[g * G : (g + 1) * G], rewards[g]) for g, i in enumerate(ids)]
 
 
@@ -511,7 +528,7 @@ def score(task: data.Task, ids: list[int], samples: list[rollout.Sample], G: int
     ).view(len(ids), G)
 
 
-def budget(cfg: Config, prompt: list[int]) -> int:
+def response_limit(cfg: Config, prompt: list[int]) -> int:
     """A response's length limit: what its prompt leaves of --max-seq-len, at most --max-new-tokens
     (NeMo-RL caps each request at the engine's max_model_len minus its prompt's length)."""
     return min(cfg.max_new_tokens, cfg.max_seq_len - len(prompt))
@@ -537,28 +554,28 @@ def advantages(
     std = None
     if cfg.loss.adv_scale == "batch":
         r = rewards.double().flatten()
-        n, s1, s2 = distributed.all_reduce_sum(
+        n_rewards, s1, s2 = distributed.all_reduce_sum(
             torch.stack(
                 [torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(), (r * r).sum()]
             )
         ).tolist()
-        std = max((s2 - s1 * s1 / n) / max(n - 1, 1), 0.0) ** 0.5
+        std = max((s2 - s1 * s1 / n_rewards) / max(n_rewards - 1, 1), 0.0) ** 0.5
     return grpo.group_advantages(rewards, cfg.loss.leave_one_out, cfg.loss.adv_scale, batch_std=std)
 
 
 def overlong_shaping(cfg: Config, prompts: list[list[int]], samples) -> torch.Tensor:
     """[len(samples)] DAPO's overlong punishment of each sample (reward.overlong_penalty), measured
-    from the response's own limit, budget(): what its prompt leaves of --max-seq-len, at most
-    --max-new-tokens. A response cut off at its limit loses --overlong-buffer-penalty whatever its
-    prompt's length, as in DAPO, verl and NeMo-RL (measured from --max-new-tokens, a response of a
-    long prompt would stop before the buffer and escape the penalty). A limit shorter than the
+    from the response's own limit, response_limit(): what its prompt leaves of --max-seq-len, at
+    most --max-new-tokens. A response cut off at its limit loses --overlong-buffer-penalty whatever
+    its prompt's length, as in DAPO, verl and NeMo-RL (measured from --max-new-tokens, a response of
+    a long prompt would stop before the buffer and escape the penalty). A limit shorter than the
     buffer is all buffer.
 
     Example (--max-seq-len 12, --max-new-tokens 8, buffer 4): prompts of 2 and 6 tokens, responses
     of 8 and 6 tokens, each at its limit -> [-1., -1.]."""
     out = []
     for s in samples:
-        cap = budget(cfg, prompts[s.prompt_idx])
+        cap = response_limit(cfg, prompts[s.prompt_idx])
         buffer = min(cfg.overlong_buffer_length, cap)
         out.append(
             reward.overlong_penalty(len(s.token_ids), cap, buffer, cfg.overlong_buffer_penalty)
@@ -573,8 +590,8 @@ def overlong_shaping(cfg: Config, prompts: list[list[int]], samples) -> torch.Te
 def logprobs(
     m, mb: Batch, cfg: Config, device, grad: bool, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi of mb's response tokens at the sampling temperature, [n, T], and with grad or
-    `entropy` the policy's entropy there (else zeros), under the run's precision policy
+    """log pi of mb's response tokens at the sampling temperature, [B, T] for its B rows, and with
+    grad or `entropy` the policy's entropy there (else zeros), under the run's precision policy
     (runtime.autocast)."""
     with torch.set_grad_enabled(grad), runtime.autocast(cfg.run, device):
         return m(
@@ -583,17 +600,19 @@ def logprobs(
         )  # fmt: skip
 
 
-def plan(m, b: Batch, rows: list[int], cfg: Config, skip: bool) -> list[Batch]:
-    """The micro-batches of a pass of `m` over `rows` (batch.plan): with `skip` and
+def micro_batches_of(m, b: Batch, rows: list[int], cfg: Config, skip: bool) -> list[Batch]:
+    """The micro-batches of a pass of `m` over `rows` (batch.plan_micro_batches): with `skip` and
     --skip-zero-advantage, only the rows whose loss term can be non-zero (all that have loss tokens
-    while a term that does not vanish with the advantage is on: dense); packed by prompt with
-    --share-prompt where the model allows it."""
+    while a term that does not vanish with the advantage is on: has_advantage_free_term); packed by
+    prompt with --share-prompt where the model allows it."""
     pack = cfg.share_prompt and m.packable
     skip = skip and cfg.skip_zero_advantage
-    return batch.plan(b, rows, cfg.run.micro_batch_tokens, pack, skip, dense(cfg))
+    return batch.plan_micro_batches(
+        b, rows, cfg.run.micro_batch_tokens, pack, skip, has_advantage_free_term(cfg)
+    )
 
 
-def dense(cfg: Config) -> bool:
+def has_advantage_free_term(cfg: Config) -> bool:
     """Whether the loss has a term that does not vanish with the advantage: the KL term, the entropy
     bonus, KL-Cov's penalty. Clip-Cov's loss is PPO's with some tokens' terms zeroed, A times
     something finite: a row of A = 0 adds 0 and is skipped in the update (its tokens still count
@@ -613,10 +632,11 @@ def old_logprobs(
     T]) and the frozen start model's (ref_logp, [N, T], for the KL term), each a no-grad pass over
     token-budget micro-batches. With LoRA `ref` is the policy itself with its adapters switched off:
     the base, which is the start model. With --top-entropy-quantile < 1 the policy's pass also
-    gives the old entropy, and b.top marks each minibatch's high-entropy tokens (high_entropy;
-    first_group: Groups.first_group). With --pg clip_cov or kl_cov it gives the logprobs b.picked
-    is chosen by (covariance_picks; Clip-Cov draws from a stream of the step's own). Both choose
-    among every loss token, A = 0 or not, so this pass runs every row with loss tokens.
+    gives the old entropy, and b.high_entropy_mask marks each minibatch's high-entropy tokens
+    (high_entropy; first_group: Groups.first_group). With --pg clip_cov or kl_cov it gives the
+    logprobs b.covariance_mask is chosen by (covariance_picks: the tokens Clip-Cov clips or KL-Cov
+    penalizes; Clip-Cov draws from a stream of the step's own). Both choose among every loss token,
+    A = 0 or not, so this pass runs every row with loss tokens.
 
     With one minibatch old_logp stays None and costs no pass: the policy has not moved before its
     only update, so the update's own forward, detached, gives the old logprobs (update_policy); the
@@ -626,23 +646,26 @@ def old_logprobs(
 
     def pass_over(m, skip: bool, entropy=False) -> torch.Tensor:  # [2, N, T]: logp, entropy
         out = b.gen_logp.new_zeros(2, *b.gen_logp.shape)  # 0 in rows not passed over
-        for mb in plan(m, b, b.rows, cfg, skip):
+        for mb in micro_batches_of(m, b, b.rows, cfg, skip):
             lp, en = logprobs(m, mb.to(device), cfg, device, grad=False, entropy=entropy)
             out[:, mb.rows, : mb.T] = torch.stack([lp, en]).cpu()
         return out
 
-    n, top, cov = (
-        n_minibatches(cfg),
-        cfg.loss.top_entropy_quantile < 1,
-        cfg.loss.pg in grpo.COVARIANCE,
-    )
+    minibatch_count = n_minibatches(cfg)
+    entropy_on = cfg.loss.top_entropy_quantile < 1  # b.high_entropy_mask
+    cov_on = cfg.loss.pg in grpo.COVARIANCE  # b.covariance_mask
     # skipped rows get no old logprobs (0), unless the quantile or the covariance counts them
-    old = pass_over(policy, skip=not (top or cov), entropy=top) if n > 1 or top or cov else None
+    need_pass = minibatch_count > 1 or entropy_on or cov_on
+    old = (
+        pass_over(policy, skip=not (entropy_on or cov_on), entropy=entropy_on)
+        if need_pass
+        else None
+    )
     b = replace(
         b,
-        old_logp=old[0] if n > 1 else None,
-        top=high_entropy(b, old[1], cfg, first_group) if top else None,
-        picked=covariance_picks(b, old[0], cfg, first_group, step) if cov else None,
+        old_logp=old[0] if minibatch_count > 1 else None,
+        high_entropy_mask=high_entropy(b, old[1], cfg, first_group) if entropy_on else None,
+        covariance_mask=covariance_picks(b, old[0], cfg, first_group, step) if cov_on else None,
     )
     if ref is None:
         return b
@@ -698,10 +721,10 @@ def pick_tokens(b: Batch, values: list, cfg: Config, first_group: int, choose) -
     at any world size and micro-batching. A collective."""
     out = torch.zeros(b.loss_mask.shape, dtype=values[-1].dtype)
     for rows in batch.minibatches(len(b.rows), n_minibatches(cfg), cfg.group_size, first_group):
-        m = b.loss_mask[rows].bool()  # [n, T]
-        mine = torch.stack([v[rows][m] for v in values])  # [k, this rank's M]
-        parts = distributed.gather_to_main(mine)
-        chosen = choose(torch.cat(parts or [mine], 1))
+        m = b.loss_mask[rows].bool()  # [B, T] for the minibatch's B rows here
+        here_values = torch.stack([v[rows][m] for v in values])  # [k, this rank's M]
+        parts = distributed.gather_to_main(here_values)
+        chosen = choose(torch.cat(parts or [here_values], 1))
         chosen, sizes = distributed.from_main((chosen, [p.shape[1] for p in parts]))
         at = sum(sizes[: distributed.rank()])
         here = out[rows]
@@ -735,26 +758,29 @@ def update_policy(
     at any world size. first_group: the step-wide index of b's first group (Groups.first_group)."""
     policy.train()
     upd = Update()
-    n = n_minibatches(cfg)
-    for rows in batch.minibatches(len(b.rows), n, cfg.group_size, first_group):
+    minibatch_count = n_minibatches(cfg)
+    for rows in batch.minibatches(len(b.rows), minibatch_count, cfg.group_size, first_group):
         norm = normalizer(b, rows, cfg.loss.token_level)  # over all the minibatch's rows
         # a minibatch with nothing to train on anywhere still steps AdamW (its moments and weight
-        # decay move the weights on a zero gradient): one stand-in pass gives every rank that zero
-        micro = plan(policy, b, rows, cfg, skip=True) or [b.stand_in()]
+        # decay move the weights on a zero gradient): one FSDP placeholder pass gives every rank
+        # that zero
+        micro = micro_batches_of(policy, b, rows, cfg, skip=True) or [b.fsdp_placeholder()]
         for k, mb in enumerate(micro):
             mb = mb.to(device)
-            logp, entropy = logprobs(policy, mb, cfg, device, grad=True)  # [n, T] each
+            logp, entropy = logprobs(policy, mb, cfg, device, grad=True)  # [B, T] each
             old = logp.detach() if mb.old_logp is None else mb.old_logp  # None: one minibatch
             loss, metrics = grpo.policy_loss(
                 logp, old, mb.advantages, mb.loss_mask, cfg.loss, norm, mb.ref_logp, mb.gen_logp,
-                entropy, mb.top, mb.picked,
+                entropy, mb.high_entropy_mask, mb.covariance_mask,
             )  # fmt: skip
             with distributed.gradient_sync(policy, k == len(micro) - 1):  # once per minibatch
                 (loss * distributed.loss_scale()).backward()
             record(upd, mb, metrics, old, entropy)
         upd.grad_norm, skipped = runtime.optimizer_step(policy, opt, cfg.run.grad_clip)
         upd.skipped += skipped
-    if upd.skipped < n:  # the LR schedule counts GRPO steps, as NeMo-RL's (not all-skipped ones)
+    if (
+        upd.skipped < minibatch_count
+    ):  # the LR schedule counts GRPO steps, as NeMo-RL's (not all-skipped ones)
         sched.step()
     policy.eval()
     # the clip fractions' denominator: every loss token, the skipped rows' too (A = 0 clips nothing)
@@ -797,7 +823,7 @@ def evaluate(engine: rollout.Engine, task: data.Task, cfg: Config, step: int) ->
         [p.answer for p in task.heldout],
         task.reward_fn,
         cfg.run.eval_samples,
-        [budget(cfg, p) for p in task.heldout_prompts],
+        [response_limit(cfg, p) for p in task.heldout_prompts],
         cfg.temperature,
         cfg.run.seed + step,  # fresh samples at every evaluation, the same ones at any world size
         cfg.tensor_parallel_size,

@@ -322,7 +322,7 @@ def collect(out: Path):
                 groups=prompts,
                 rewards=groups.rewards.tolist(),
                 informative=[i for i, gold in zip(ids, golds) if gold == golds[0]],
-                drawn=groups.drawn,
+                generated=groups.generated,
             )
         )
     )

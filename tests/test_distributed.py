@@ -209,7 +209,7 @@ def test_tensor_parallel_ranks_with_dynamic_sampling_train_each_group_once(tmp_p
     assert all(len(set(rewards)) > 1 for rewards in got[0]["rewards"])
     assert got[1]["groups"] == [] and got[1]["rewards"] == []
     # the engine's draws counted once
-    assert got[0]["drawn"] == 4 and got[1]["drawn"] == 0
+    assert got[0]["generated"] == 4 and got[1]["generated"] == 0
 
 
 def test_tied_embeddings_get_the_same_update_at_two_ranks(updates, tiny_path):
@@ -237,7 +237,7 @@ def test_tied_embeddings_get_the_same_update_at_two_ranks(updates, tiny_path):
 #   batch.minibatches by row, (first_group * G + r) % n   both, 0.76 and 1.16
 #   batch.trained_rows keeps A > 0, not A != 0            plain-skip, 1.00 (plain-kl passes: with
 #                                                         the KL term on, no row is skipped)
-#   batch.plan packs keyed by the prompt's first token    both, 1.00 and 1.02
+#   batch.plan_micro_batches packs keyed by the prompt's first token    both, 1.00 and 1.02
 #   fastpaths.HeadLogprob.backward without its / T        both, 0.43 (3/7: every gradient x 0.7)
 #   the same, times 1 + 1e-6                              both, 1.0e-6
 #   grpo.kl_estimate without the score-function term      plain-kl, minibatch 1, 1.1e-2

@@ -79,7 +79,7 @@ def _kl_ref(x_raw, kind, cfg):
 
 
 def ref_loss_and_grad(
-    logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig, ent=None, top=None, picked=None
+    logp, old, adv, mask, gen, ref, cfg: grpo.LossConfig, ent=None, top=None, cov_mask=None
 ):
     """float64 in plain Python, token by token, straight from grpo.py's docstring: the loss and its
     derivative written by hand (CISPO's stop-gradient and the KL's score term are not derivatives of
@@ -123,9 +123,9 @@ def ref_loss_and_grad(
                 pg, dpg = -A * clip * logp[i][t], -A * clip
             elif cfg.pg == "reinforce":
                 pg, dpg = -A * logp[i][t], -A
-            elif cfg.pg == "kl_cov":  # no clip; |logp - old| at the picked tokens
+            elif cfg.pg == "kl_cov":  # no clip; |logp - old| at the covariance mask's tokens
                 d = logp[i][t] - old[i][t]
-                c = cfg.ppo_kl_coef * picked[i][t]
+                c = cfg.ppo_kl_coef * cov_mask[i][t]
                 pg, dpg = -A * rho + c * abs(d), -A * rho + c * (d > 0) - c * (d < 0)
             else:
                 # the max takes the unclipped branch (equal inside the band)
@@ -139,7 +139,7 @@ def ref_loss_and_grad(
                     dpg = 0.0
                 else:
                     dpg = drho * rho
-                if cfg.pg == "clip_cov" and picked[i][t]:
+                if cfg.pg == "clip_cov" and cov_mask[i][t]:
                     pg, dpg = 0.0, 0.0
             total += coef * top[i][t] * w[t] * pg
             grad[i][t] += coef * top[i][t] * w[t] * dpg
@@ -237,13 +237,15 @@ def test_clip_cov_and_kl_cov_losses_match_float64(pg):
     cfg = grpo.LossConfig(pg=pg, eps_high=0.28, kl_cov_ratio=0.3, ppo_kl_coef=0.5)
     for seed in range(3):
         logp, old, adv, mask, gen, ref = random_inputs(seed)
-        picked = torch.rand(logp.shape, generator=torch.Generator().manual_seed(seed)) < 0.3
-        picked = picked.double()
+        cov_mask = torch.rand(logp.shape, generator=torch.Generator().manual_seed(seed)) < 0.3
+        cov_mask = cov_mask.double()
         x = logp.clone().requires_grad_(True)
-        loss, _ = grpo.policy_loss(x, old, adv, mask, cfg, mask.sum().item(), picked=picked)
+        loss, _ = grpo.policy_loss(
+            x, old, adv, mask, cfg, mask.sum().item(), covariance_mask=cov_mask
+        )
         loss.backward()
         args = (old.tolist(), adv.tolist(), mask.tolist(), gen.tolist(), ref.tolist(), cfg)
-        want, want_grad = ref_loss_and_grad(logp.tolist(), *args, picked=picked.tolist())
+        want, want_grad = ref_loss_and_grad(logp.tolist(), *args, cov_mask=cov_mask.tolist())
         assert loss.item() == pytest.approx(want, abs=1e-10, rel=1e-9)
         torch.testing.assert_close(
             x.grad, torch.tensor(want_grad, dtype=torch.float64), atol=1e-10, rtol=1e-9
@@ -532,9 +534,9 @@ def test_kl_cov_at_ratio_one_is_plain_policy_gradient():
     for coef in (0.0, 100.0):
         logp = logp0.clone().requires_grad_(True)
         cfg = grpo.LossConfig(pg="kl_cov", kl_cov_ratio=1.0, ppo_kl_coef=coef)
-        picked = torch.ones_like(logp)  # every token
+        cov_mask = torch.ones_like(logp)  # every token
         loss, _ = grpo.policy_loss(
-            logp, logp.detach(), adv, mask, cfg, float(mask.sum()), picked=picked
+            logp, logp.detach(), adv, mask, cfg, float(mask.sum()), covariance_mask=cov_mask
         )
         loss.backward()
         grads.append(logp.grad)
@@ -552,10 +554,10 @@ def test_clip_cov_and_kl_cov_against_verl(pg):
     adv = torch.tensor([1.0, -0.5, 0.25], **f64)
     cfg = grpo.LossConfig(pg=pg, **flags)
     m = mask.bool()
-    picked = torch.zeros_like(mask)
-    picked[m] = grpo.covariance_tokens(adv[:, None].expand(3, 4)[m], logp[m], cfg).double()
+    cov_mask = torch.zeros_like(mask)
+    cov_mask[m] = grpo.covariance_tokens(adv[:, None].expand(3, 4)[m], logp[m], cfg).double()
     x = logp.requires_grad_(True)
-    loss, _ = grpo.policy_loss(x, old, adv, mask, cfg, mask.sum().item(), picked=picked)
+    loss, _ = grpo.policy_loss(x, old, adv, mask, cfg, mask.sum().item(), covariance_mask=cov_mask)
     loss.backward()
     assert loss.item() == pytest.approx(want, abs=1e-12)
     torch.testing.assert_close(x.grad, torch.tensor(want_grad, **f64), atol=1e-10, rtol=0)

@@ -175,13 +175,15 @@ def test_pack_rows_lays_out_the_docstrings_example():
     input_ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 0], [4, 3, 2, 0]])
     am = (input_ids > 0).long()
     start = torch.tensor([2, 2, 1])
-    ids, pos, packed, where, first = fastpaths.pack_rows(input_ids, am, start, [[0, 1], [2]])
+    ids, pos, packed, pack_of_row, resp_col = fastpaths.pack_rows(
+        input_ids, am, start, [[0, 1], [2]]
+    )
     assert ids.tolist() == [[5, 6, 7, 8, 9], [4, 3, 2, 0, 0]]
     assert pos[0].tolist() == [0, 1, 2, 3, 2] and pos[1, :3].tolist() == [0, 1, 2]
     # flat positions: the second pack starts at 5
-    assert [s.tolist() for s in packed.seg] == [[[0, 1, 2, 3]], [[0, 1, 4], [5, 6, 7]]]
-    assert packed.back[:8].tolist() == [0, 1, 2, 3, 6, 7, 8, 9]
-    assert where.tolist() == [0, 0, 1] and first.tolist() == [2, 4, 1]
+    assert [s.tolist() for s in packed.buckets] == [[[0, 1, 2, 3]], [[0, 1, 4], [5, 6, 7]]]
+    assert packed.out_place[:8].tolist() == [0, 1, 2, 3, 6, 7, 8, 9]
+    assert pack_of_row.tolist() == [0, 0, 1] and resp_col.tolist() == [2, 4, 1]
 
 
 @pytest.mark.parametrize("pack_tokens", [12, 10_000])

@@ -222,7 +222,7 @@ def each_response_gets_what_its_prompt_leaves(engine, tok):
     cfg = train.Config(max_seq_len=48, max_new_tokens=48, max_prompt_len=24)
     short = prompts_of(tok, 1)[0]
     prompts = [short, short + short[1:]]  # two lengths: two budgets
-    caps = [train.budget(cfg, p) for p in prompts]
+    caps = [train.response_limit(cfg, p) for p in prompts]
     # EOS held back: full length
     samples = engine.generate(prompts, n=2, max_tokens=caps, min_tokens=48, seed=0)
     for s in samples:
@@ -230,7 +230,7 @@ def each_response_gets_what_its_prompt_leaves(engine, tok):
         assert len(s.logprobs) == len(s.token_ids)
     capped = train.Config(max_seq_len=48, max_new_tokens=5)
     # max_new_tokens still caps a short prompt's room
-    assert {train.budget(capped, p) for p in prompts} == {5}
+    assert {train.response_limit(capped, p) for p in prompts} == {5}
 
 
 def test_each_response_gets_what_its_prompt_leaves_vllm(vllm_engine, tok):
@@ -247,7 +247,7 @@ def test_the_deepscaler_presets_give_each_response_what_its_prompt_leaves():
     for stage, total in ((1, 8192), (2, 16384), (3, 24576)):
         cfg = train.parse_args(["--stage", str(stage), "--data", "x"])
         assert (
-            train.budget(cfg, [0] * 150) == total - 150
-            and train.budget(cfg, [0] * 1024) == total - 1024
+            train.response_limit(cfg, [0] * 150) == total - 150
+            and train.response_limit(cfg, [0] * 1024) == total - 1024
         )
         assert data.prompt_limit(cfg) == 1024

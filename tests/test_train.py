@@ -219,7 +219,7 @@ def test_shared_prompt_micro_batches_hold_whole_packs_within_budget(tok):
     b = batch.make_batch(prompts, samples, torch.zeros(32), False, tok.pad_token_id)
     rows = list(range(0, 32, 3))
     for budget in (1, 30, 100, 10**6):
-        mbs = batch.plan(b, rows, budget, True)
+        mbs = batch.plan_micro_batches(b, rows, budget, True)
         assert sorted(r for mb in mbs for r in mb.rows) == rows
         for mb in mbs:
             assert sorted(i for p in mb.packs for i in p) == list(range(len(mb.rows)))
@@ -493,23 +493,26 @@ def test_dtype_flag_sets_the_training_compute_on_cpu(tiny_path, dtype):
     assert seen == [want, want], seen
 
 
-def test_a_stand_in_micro_batch_is_two_tokens_whatever_the_batch(tok):
-    # a rank with fewer micro-batches runs stand-ins so FSDP's collectives line up; each must cost
-    # two tokens, not the batch's longest row (which at 24K would be a second 24K-token pass)
+def test_an_fsdp_placeholder_micro_batch_is_two_tokens_whatever_the_batch(tok):
+    # a rank with fewer micro-batches runs placeholders so FSDP's collectives line up; each must
+    # cost two tokens, not the batch's longest row (which at 24K would be a second 24K-token pass)
     prompts = [[1] + [5] * 300, [1, 5]]
     samples = [
         rollout.Sample(0, [6] * 700, [-1.0] * 700, True),
         rollout.Sample(1, [6, 2], [-1.0, -1.0], False),
     ]
     b = batch.make_batch(prompts, samples, torch.tensor([1.0, -1.0]), False, 0)
-    one, stand_in = batch.plan(b, [1], 10**6, False)[0], b.stand_in()
+    one, placeholder = batch.plan_micro_batches(b, [1], 10**6, False)[0], b.fsdp_placeholder()
     # trimmed to its own row
     assert one.rows == [1] and one.input_ids.shape == (1, 4) and one.T == 2
-    assert stand_in.input_ids.shape == (1, 2) and stand_in.T == 1 and stand_in.rows == []
-    assert float(stand_in.loss_mask.sum()) == 0.0 and float(stand_in.advantages.abs().sum()) == 0.0
+    assert placeholder.input_ids.shape == (1, 2) and placeholder.T == 1 and placeholder.rows == []
+    assert (
+        float(placeholder.loss_mask.sum()) == 0.0
+        and float(placeholder.advantages.abs().sum()) == 0.0
+    )
     m = model.load_model(model.resolve(bases.TINY))
     lp, _ = model.LogprobModel(m)(
-        stand_in.input_ids, stand_in.attention_mask, stand_in.resp_start, stand_in.T
+        placeholder.input_ids, placeholder.attention_mask, placeholder.resp_start, placeholder.T
     )
     # its one response token goes through the LM head: every parameter takes part
     assert lp.shape == (
@@ -545,17 +548,20 @@ def test_batch_scaled_advantages_divide_by_the_std_of_every_reward(leave_one_out
 @pytest.mark.parametrize("kl_beta", [0.0, 0.1])
 @pytest.mark.parametrize("skip", [True, False])
 def test_the_update_plan_runs_the_rows_whose_loss_term_can_be_nonzero(tiny_path, kl_beta, skip):
-    """train.plan: with --skip-zero-advantage, a row runs when some token counts in the loss and,
-    unless the KL term is on (it does not vanish with A), its advantage is not 0; without it every
-    row runs. Rows: A = 1 with loss tokens, A = 0 with loss tokens, A = 1 overlong-filtered."""
+    """train.micro_batches_of: with --skip-zero-advantage, a row runs when some token counts in
+    the loss and, unless the KL term is on (it does not vanish with A), its advantage is not 0;
+    without it every row runs. Rows: A = 1 with loss tokens, A = 0 with loss tokens, A = 1
+    overlong-filtered."""
     samples = [rollout.Sample(0, [5, 6], [0.0, 0.0], t) for t in (False, False, True)]
     b = batch.make_batch([[1, 2, 3]], samples, torch.tensor([1.0, 0.0, 1.0]), True, 0)
     cfg = config(train.Config, kl_beta=kl_beta, skip_zero_advantage=skip)
     m = model.LogprobModel(model.load_model(tiny_path))
-    ran = sorted(r for mb in train.plan(m, b, b.rows, cfg, skip=True) for r in mb.rows)
+    ran = sorted(r for mb in train.micro_batches_of(m, b, b.rows, cfg, skip=True) for r in mb.rows)
     assert ran == ([0, 1] if kl_beta else [0]) if skip else [0, 1, 2]
     # the reference model's pass (skip=False) runs every row
-    assert sorted(r for mb in train.plan(m, b, b.rows, cfg, skip=False) for r in mb.rows) == [
+    assert sorted(
+        r for mb in train.micro_batches_of(m, b, b.rows, cfg, skip=False) for r in mb.rows
+    ) == [
         0,
         1,
         2,
@@ -634,7 +640,8 @@ def test_high_entropy_tokens_past_torch_quantiles_limit_of_2_to_the_24():
 
 
 def test_clip_cov_skips_zero_advantage_rows_in_the_update_not_in_the_old_pass(tiny_path, tok):
-    # Clip-Cov's loss is PPO's with the picked tokens' terms zeroed: a row of A = 0 adds exactly 0,
+    # Clip-Cov's loss is PPO's with the covariance mask's tokens' terms zeroed: a row of A = 0 adds
+    # exactly 0,
     # so the update skips it, while the covariance the picks come from counts every loss token:
     # the old pass runs every row. Two minibatches (the second's ratio is not 1), float64: the
     # weights equal those of computing every row
@@ -661,8 +668,12 @@ def test_clip_cov_skips_zero_advantage_rows_in_the_update_not_in_the_old_pass(ti
         old = train.old_logprobs(policy, None, b, cfg, cpu)
         # the old pass covered every row; the picks include tokens of A = 0 rows
         assert (old.old_logp * old.loss_mask != 0).sum(1).tolist() == old.loss_mask.sum(1).tolist()
-        assert old.picked[adv == 0].any() and old.picked[adv != 0].any()
-        ran = sorted(r for mb in train.plan(policy, old, old.rows, cfg, skip=True) for r in mb.rows)
+        assert old.covariance_mask[adv == 0].any() and old.covariance_mask[adv != 0].any()
+        ran = sorted(
+            r
+            for mb in train.micro_batches_of(policy, old, old.rows, cfg, skip=True)
+            for r in mb.rows
+        )
         assert ran == ([i for i in range(P * G) if adv[i] != 0] if skip else list(range(P * G)))
         opt = torch.optim.SGD(policy.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
