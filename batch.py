@@ -43,9 +43,9 @@ class Batch:
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None  # [N, T] the frozen start model's (--kl-beta > 0)
     # [N, T] 1 on the high-entropy tokens, those the policy-gradient term trains
-    # (--top-entropy-quantile < 1: train.high_entropy)
+    # (--top-entropy-quantile < 1: token_picks.high_entropy)
     high_entropy_mask: torch.Tensor | None = None
-    # [N, T] 1 on the tokens Clip-Cov clips / KL-Cov penalizes (--pg: train.covariance_picks)
+    # [N, T] 1 on the tokens Clip-Cov clips / KL-Cov penalizes (--pg: token_picks.covariance_picks)
     covariance_mask: torch.Tensor | None = None
     # rows (by place) that share a prompt, each pack one row of the forward (plan_micro_batches)
     packs: list[list[int]] | None = None

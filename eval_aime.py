@@ -241,11 +241,7 @@ def validate(cfg: EvalConfig, world: int) -> None:
                 cfg.tensor_parallel_size >= 1 and world % cfg.tensor_parallel_size == 0,
                 f"--tensor-parallel-size {cfg.tensor_parallel_size}: must divide the {world} ranks",
             ),
-            (
-                0 < cfg.gpu_memory_utilization < 1,
-                f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: "
-                "must be a fraction in (0, 1)",
-            ),
+            *memory.engine_checks(cfg.gpu_memory_utilization),
             (writable(Path(cfg.out).absolute().parent), f"--out {cfg.out}: cannot be written"),
         ]
     )

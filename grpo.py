@@ -318,7 +318,7 @@ def covariance_tokens(
 
     as verl's compute_policy_loss_clip_cov / _kl_cov pick them in a micro-batch. verl's Clip-Cov
     also leaves out the tokens PPO's clip already clips; picked before the update (the ratio is 1),
-    as train.covariance_picks does, there are none."""
+    as token_picks.covariance_picks does, there are none."""
     cov = (adv - adv.mean()) * (logp - logp.mean())  # [M]
     picked = torch.zeros(len(cov), dtype=torch.bool)
     if cfg.pg == "kl_cov" and len(cov):

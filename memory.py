@@ -50,7 +50,7 @@ from transformers import AutoConfig
 import data
 import distributed
 import model
-from checks import UserError
+from checks import Checks, UserError
 
 GiB = 2**30
 GPU_GIB = 80.0  # an H100 / A100 80 GB
@@ -355,6 +355,25 @@ def need_gib(cfg, s: Shape, world: int, checkpointing: bool, micro_batch_tokens:
     if cfg.engine == "hf":  # a float32 copy of the model, and no KV cache reserved
         rows_gib["vLLM's own libraries and buffers (CPU)"] = 0.0
     return totals(rows_gib)["process peak (trainer + engine + libraries)"]
+
+
+def engine_checks(gpu_memory_utilization: float, kv_cache_gib: float = 0.0) -> Checks:
+    """The engine's memory flags (train.py's and eval_aime.py's), each a one-line check: the GPU
+    share vLLM may take, the CPU KV cache's size, and VLLM_CPU_KVCACHE_SPACE, which vLLM reads
+    with int() in its start-up ("1.5" would stop the run there, after the model loaded)."""
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    return [
+        (
+            0 < gpu_memory_utilization < 1,
+            f"--gpu-memory-utilization {gpu_memory_utilization}: must be a fraction in (0, 1)",
+        ),
+        (kv_cache_gib >= 0, f"--kv-cache-gib {kv_cache_gib}: must be 0 (auto) or more"),
+        (
+            (space or "0").isdigit(),
+            f"VLLM_CPU_KVCACHE_SPACE={space}: vLLM takes whole GiB (--kv-cache-gib takes "
+            "fractions)",
+        ),
+    ]
 
 
 def preflight(cfg, world: int) -> None:

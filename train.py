@@ -48,6 +48,7 @@ import model
 import reward
 import rollout
 import runtime
+import token_picks
 import user_reward
 from batch import Batch
 from checkpoint import export_hf
@@ -231,17 +232,7 @@ def flag_checks(cfg: Config, world: int) -> None:
                 f"--max-seq-len {cfg.max_seq_len} (lower it, or set --max-prompt-len: responses "
                 "then get what it leaves)",
             ),
-            (
-                0 < cfg.gpu_memory_utilization < 1,
-                f"--gpu-memory-utilization {cfg.gpu_memory_utilization}: "
-                "must be a fraction in (0, 1)",
-            ),
-            (cfg.kv_cache_gib >= 0, f"--kv-cache-gib {cfg.kv_cache_gib}: must be 0 (auto) or more"),
-            (  # vLLM reads it with int(): "1.5" would stop the run in vLLM's start-up
-                (os.environ.get("VLLM_CPU_KVCACHE_SPACE") or "0").isdigit(),
-                f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE')}: vLLM takes "
-                "whole GiB (--kv-cache-gib takes fractions)",
-            ),
+            *memory.engine_checks(cfg.gpu_memory_utilization, cfg.kv_cache_gib),
             (
                 cfg.tensor_parallel_size >= 1
                 and world % cfg.tensor_parallel_size == 0
@@ -633,10 +624,10 @@ def old_logprobs(
     token-budget micro-batches. With LoRA `ref` is the policy itself with its adapters switched off:
     the base, which is the start model. With --top-entropy-quantile < 1 the policy's pass also
     gives the old entropy, and b.high_entropy_mask marks each minibatch's high-entropy tokens
-    (high_entropy; first_group: Groups.first_group). With --pg clip_cov or kl_cov it gives the
-    logprobs b.covariance_mask is chosen by (covariance_picks: the tokens Clip-Cov clips or KL-Cov
-    penalizes; Clip-Cov draws from a stream of the step's own). Both choose among every loss token,
-    A = 0 or not, so this pass runs every row with loss tokens.
+    (token_picks.high_entropy; first_group: Groups.first_group). With --pg clip_cov or kl_cov it
+    gives the logprobs b.covariance_mask is chosen by (token_picks.covariance_picks: the tokens
+    Clip-Cov clips or KL-Cov penalizes; Clip-Cov draws from a stream of the step's own). Both
+    choose among every loss token, A = 0 or not, so this pass runs every row with loss tokens.
 
     With one minibatch old_logp stays None and costs no pass: the policy has not moved before its
     only update, so the update's own forward, detached, gives the old logprobs (update_policy); the
@@ -661,76 +652,22 @@ def old_logprobs(
         if need_pass
         else None
     )
+    # the knobs pick their tokens over each whole minibatch, on every rank (token_picks.py)
+    mbs = batch.minibatches(len(b.rows), minibatch_count, cfg.group_size, first_group)
+    seed = hash((cfg.run.seed, step)) % 2**31  # Clip-Cov's draw: one stream per step
+    q = cfg.loss.top_entropy_quantile
     b = replace(
         b,
         old_logp=old[0] if minibatch_count > 1 else None,
-        high_entropy_mask=high_entropy(b, old[1], cfg, first_group) if entropy_on else None,
-        covariance_mask=covariance_picks(b, old[0], cfg, first_group, step) if cov_on else None,
+        high_entropy_mask=token_picks.high_entropy(b, old[1], q, mbs) if entropy_on else None,
+        covariance_mask=(
+            token_picks.covariance_picks(b, old[0], cfg.loss, mbs, seed) if cov_on else None
+        ),
     )
     if ref is None:
         return b
     with lora.adapters_off(ref.lm):  # a no-op for a frozen copy, which has no adapters
         return replace(b, ref_logp=pass_over(ref, skip=False)[0])
-
-
-def covariance_picks(
-    b: Batch, logp: torch.Tensor, cfg: Config, first_group: int, step: int
-) -> torch.Tensor:
-    """[N, T] 1 on the tokens Clip-Cov clips or KL-Cov penalizes in each minibatch
-    (grpo.covariance_tokens; Clip-Cov's draw from a generator seeded by the run's seed and the
-    step), chosen over the
-    minibatch's loss tokens on every rank with the old policy's logprobs (logp [N, T]). verl picks
-    in each micro-batch with the current policy's: the same picks with one micro-batch and one
-    minibatch. A collective."""
-    g = torch.Generator().manual_seed(hash((cfg.run.seed, step)) % 2**31)
-    A = b.advantages[:, None].expand(logp.shape).to(logp.dtype)
-    return pick_tokens(
-        b, [A, logp], cfg, first_group, lambda v: grpo.covariance_tokens(*v, cfg.loss, g)
-    )
-
-
-def high_entropy(b: Batch, entropy: torch.Tensor, cfg: Config, first_group: int) -> torch.Tensor:
-    """[N, T] 1 on each minibatch's high-entropy tokens (Wang et al. 2025): those whose entropy
-    under the old policy (entropy [N, T]) is at least the (1 - q) quantile of the minibatch's loss
-    tokens over every rank, as TRL's get_high_entropy_mask (torch.quantile's value, every token,
-    A = 0 or not: old_logprobs passes over every row for it). A collective."""
-    q = 1 - cfg.loss.top_entropy_quantile
-    at = lambda h: quantile(h, q) if h.numel() else 0.0  # noqa: E731
-    return pick_tokens(b, [entropy], cfg, first_group, lambda v: v[0] >= at(v[0]))
-
-
-def quantile(x: torch.Tensor, q: float) -> torch.Tensor:
-    """torch.quantile(x.double().flatten(), q), its linear interpolation, for any number of values:
-    torch.quantile refuses more than 2^24 ("input tensor is too large"), and one minibatch's loss
-    tokens pass that at the 8K-16K stages with --minibatch-size 0 (1,024 samples x 16K tokens). The
-    two order statistics around q (n - 1) by kthvalue (a selection, no sort), then torch.lerp
-    between them with the same weight, as torch.quantile does after its sort: the same value.
-    Example: [4., 1., 3., 2.], q 0.5 -> 2.5."""
-    x = x.double().flatten()
-    rank = q * (len(x) - 1)
-    lo = int(rank)  # floor: q >= 0
-    below = x.kthvalue(lo + 1).values
-    above = x.kthvalue(min(lo + 1, len(x) - 1) + 1).values if rank > lo else below
-    return torch.lerp(below, above, torch.tensor(rank - lo, dtype=torch.float64))
-
-
-def pick_tokens(b: Batch, values: list, cfg: Config, first_group: int, choose) -> torch.Tensor:
-    """[N, T] 1 on the loss tokens `choose` picks in each minibatch: rank 0 gathers their values
-    (each of `values` [N, T]) from every rank, in the step's row order (ranks hold consecutive
-    groups), choose([k, M]) gives a bool [M], and each rank gets its own part back: the same picks
-    at any world size and micro-batching. A collective."""
-    out = torch.zeros(b.loss_mask.shape, dtype=values[-1].dtype)
-    for rows in batch.minibatches(len(b.rows), n_minibatches(cfg), cfg.group_size, first_group):
-        m = b.loss_mask[rows].bool()  # [B, T] for the minibatch's B rows here
-        here_values = torch.stack([v[rows][m] for v in values])  # [k, this rank's M]
-        parts = distributed.gather_to_main(here_values)
-        chosen = choose(torch.cat(parts or [here_values], 1))
-        chosen, sizes = distributed.from_main((chosen, [p.shape[1] for p in parts]))
-        at = sum(sizes[: distributed.rank()])
-        here = out[rows]
-        here[m] = chosen[at : at + int(m.sum())].to(out.dtype)
-        out[rows] = here
-    return out
 
 
 @dataclass

@@ -545,8 +545,9 @@ def test_kl_cov_at_ratio_one_is_plain_policy_gradient():
 
 @pytest.mark.parametrize("pg", list(VERL_COV))
 def test_clip_cov_and_kl_cov_against_verl(pg):
-    """The picks from the logprobs verl picks with (its current policy's; train.covariance_picks
-    uses the old policy's, the same ones before the first update), then the loss."""
+    """The picks from the logprobs verl picks with (its current policy's;
+    token_picks.covariance_picks uses the old policy's, the same ones before the first update), then
+    the loss."""
     flags, want, want_grad = VERL_COV[pg]
     f64 = dict(dtype=torch.float64)
     old, mask = torch.tensor(VERL_OLD, **f64), torch.tensor(VERL_MASK, **f64)

@@ -15,6 +15,7 @@ import distributed
 import dpo
 import model
 import rollout
+import token_picks
 import train
 from checks import UserError
 from runtime import config
@@ -596,15 +597,13 @@ def ref_quantile(values, q):
 @pytest.mark.parametrize("q", list(TRL_TOP))
 def test_high_entropy_tokens_are_trls_the_top_q_of_every_loss_token(q):
     b = entropy_batch([1.0, -1.0, 0.5])
-    cfg = config(train.Config, group_size=3, prompts_per_step=1, top_entropy_quantile=q)
     ent = torch.tensor(TRL_ENT)
-    got = train.high_entropy(b, ent, cfg, 0)
+    got = token_picks.high_entropy(b, ent, q, [b.rows])  # one minibatch: every row
     assert got.int().tolist() == TRL_TOP[q]
     # a row of A = 0 counts too (TRL's population); against the quantile in plain Python
     b = entropy_batch([1.0, -1.0, 0.5, 0.0])
-    cfg = config(train.Config, group_size=4, prompts_per_step=1, top_entropy_quantile=q)
     ent4 = torch.cat([ent, torch.tensor([[9.0, 9.0, 9.0, 9.0]])])
-    got = train.high_entropy(b, ent4, cfg, 0)
+    got = token_picks.high_entropy(b, ent4, q, [b.rows])
     mask = b.loss_mask.tolist()
     counted = [e for row, m in zip(ent4.tolist(), mask) for e, k in zip(row, m) if k]
     at = ref_quantile(counted, 1 - q)
@@ -617,7 +616,7 @@ def test_the_quantile_is_torchs_below_its_limit_and_exact_above_it():
     for n in (1, 2, 3, 10, 1001, 65536):
         for x in (torch.rand(n, generator=g), torch.randint(0, 5, (n,), generator=g).float()):
             for q in (0.0, 0.2, 0.5, 0.8, 0.999, 1.0):
-                assert train.quantile(x, q) == torch.quantile(x.double(), q), (n, q)
+                assert token_picks.quantile(x, q) == torch.quantile(x.double(), q), (n, q)
 
 
 def test_high_entropy_tokens_past_torch_quantiles_limit_of_2_to_the_24():
@@ -632,8 +631,7 @@ def test_high_entropy_tokens_past_torch_quantiles_limit_of_2_to_the_24():
         advantages=torch.ones(2), loss_mask=ones, truncated=torch.zeros(2, dtype=torch.bool),
         lengths=[M // 2] * 2, rows=[0, 1],
     )  # fmt: skip
-    cfg = config(train.Config, group_size=2, prompts_per_step=1, top_entropy_quantile=q)
-    got = train.high_entropy(b, ent, cfg, 0)
+    got = token_picks.high_entropy(b, ent, q, [b.rows])
     at = (1 - q) * (M - 1)  # in float64, as exact as the quantile
     assert int(got.sum()) == M - math.ceil(at)
     assert torch.equal(got.bool(), ent >= at)
