@@ -420,7 +420,7 @@ def layer_matmuls(
     c, seq: float, resp: float, chunk: int = 1024
 ) -> list[tuple[str, int, int, int, float]]:
     """One sequence's forward matmuls as (name, m, k, n, how many): the layers' over its `seq`
-    tokens, the LM head's over its `resp` response tokens in chunks (model.token_logprobs)."""
+    tokens, the LM head's over its `resp` response tokens in chunks (fastpaths.head_logprobs)."""
     H, I, V, layers = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
     kv = c.num_key_value_heads * (H // c.num_attention_heads)
     T, R = int(seq), int(min(resp, chunk))
