@@ -137,18 +137,21 @@ def pytest_configure(config):
 # files whose tests take longest go first, so that neither worker is left alone with a long one at
 # the end. (loadgroup's xdist_group marks would group finer, but xdist 3.8 sets them through a node
 # attribute that pytest 9 no longer reads.)
-LONGEST_FIRST = [
+LONGEST_FIRST = [  # by their measured totals (pytest --durations=0)
     "test_distributed_runs",
-    "test_real_model",
     "test_distributed",
-    "test_lora",
+    "test_real_model",
     "test_faults",
     "test_checkpoint",
+    "test_memory",
+    "test_lora",
     "test_dpo",
     "test_experiments",
-    "test_bench",
     "test_train",
+    "test_architectures",
     "test_recipe",
+    "test_bench",
+    "test_user_reward",
 ]
 
 
