@@ -39,7 +39,7 @@ dpo: $(STAMP)
 # two pytest-xdist workers, each with its own core (tests/conftest.py); TEST_WORKERS=0 runs in one process
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests $(ARGS)
+	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests $(ARGS)
 
 # the tests that need no vLLM engine, torchrun or training process (grpo.py, reward.py, data.py, flags): seconds
 test-fast: $(STAMP)

@@ -135,8 +135,10 @@ def pytest_configure(config):
 # `make test` runs two pytest-xdist workers with --dist loadfile: a test file's tests run on one
 # worker, in order (a module fixture, such as a training run several tests read, runs once), and the
 # files whose tests take longest go first, so that neither worker is left alone with a long one at
-# the end. (loadgroup's xdist_group marks would group finer, but xdist 3.8 sets them through a node
-# attribute that pytest 9 no longer reads.)
+# the end. --no-loadscope-reorder keeps this order: by default xdist hands out the files with the
+# most tests first, which started the longest file (test_distributed_runs, 11 tests) half-way
+# through the suite. (loadgroup's xdist_group marks would group finer, but xdist 3.8 sets them
+# through a node attribute that pytest 9 no longer reads.)
 LONGEST_FIRST = [  # by their measured totals (pytest --durations=0)
     "test_distributed_runs",
     "test_distributed",
