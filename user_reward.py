@@ -28,11 +28,15 @@ the time limit does not count) at the first call and after each timeout or death
 hangs on every call makes every sample cost the time limit (the demo scores 256 samples a step: ~4
 min a step at 1 s); the warnings say so, and a lower --reward-timeout-s bounds it.
 
+toolbox.py runs `--tool FILE.py:function` in the same worker (Worker, with a text reply instead of
+a number): one implementation of the process, its time limit and its restarts.
+
 What it does not do: sandbox your code (it runs as you, with your files and network), batch calls,
 or run calls in parallel. Your function gets the decoded response (special tokens removed) and the
 problem's gold answer, as the built-in rewards do.
 """
 
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -74,9 +78,12 @@ def import_function(spec: str):
     return getattr(module, name, None)
 
 
-def checks(spec: str, timeout_s: float, flag: str = "--reward") -> list[tuple[bool, str]]:
+def checks(
+    spec: str, timeout_s: float, flag: str = "--reward", args: tuple = ("response", "gold")
+) -> list[tuple[bool, str]]:
     """The one-line errors of a --reward value, in runtime.check's form; [] when it is usable (or
-    empty)."""
+    empty). toolbox.py checks --tool values with it: flag names the flag (and FLAG-timeout-s its
+    time limit), args the arguments the function must take."""
     if not spec:
         return []
     path, name = parse_spec(spec)
@@ -88,7 +95,7 @@ def checks(spec: str, timeout_s: float, flag: str = "--reward") -> list[tuple[bo
         ),
         (path.suffix == ".py", f"{flag} {spec}: {path} is not a .py file"),
         (path.is_file(), f"{flag} {spec}: no such file {path}"),
-        (timeout_s > 0, f"--reward-timeout-s {timeout_s}: must be positive"),
+        (timeout_s > 0, f"{flag}-timeout-s {timeout_s}: must be positive"),
     ]
     if not all(ok for ok, _ in syntax):
         return syntax
@@ -101,13 +108,13 @@ def checks(spec: str, timeout_s: float, flag: str = "--reward") -> list[tuple[bo
     if not callable(fn):
         return [(False, f"{flag} {spec}: {name} is not a function (a {type(fn).__name__})")]
     try:
-        inspect.signature(fn).bind("response", "gold")
+        inspect.signature(fn).bind(*args)
     except TypeError:
         return [
             (
                 False,
                 f"{flag} {spec}: {name}{inspect.signature(fn)} cannot be called as "
-                f"{name}(response, gold)",
+                f"{name}({', '.join(args)})",
             )
         ]
     except ValueError:  # a builtin without a signature: let it be
@@ -120,27 +127,101 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+class Worker:
+    """A user's function in a process of its own (this file, run as `python user_reward.py SPEC
+    [TEXT_CHARS]`), one call at a time: Guarded's rewards, and toolbox.py's --tool FILE.py:function.
+    With text_chars the function is a tool, f(text) -> str: the reply holds its text (cut to
+    text_chars), and a call that prints more than text_chars characters fails."""
+
+    def __init__(self, spec: str, text_chars: int | None = None):
+        self.spec, self.text_chars = spec, text_chars
+        self._proc, self._buf = None, b""
+
+    def call(self, args: list, timeout_s: float) -> dict:
+        """The reply to fn(*args): {"value"} (a reward), {"text", "chars"} (a tool), {"error"} or
+        {"repr"}. Raises TimeoutError after timeout_s, and OSError / EOFError / ValueError when the
+        worker died or broke the protocol: stop() it then, and the next call starts a new one."""
+        if self._proc is None or self._proc.poll() is not None:
+            self.stop()
+            extra = [] if self.text_chars is None else [str(self.text_chars)]
+            self._proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).absolute()), self.spec, *extra],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                bufsize=0,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+            # its "ready" once the file is imported: imports do not count against a call
+            self._reply(STARTUP_S)
+        self._proc.stdin.write(json.dumps(args).encode() + b"\n")
+        return self._reply(timeout_s)
+
+    def _reply(self, limit_s: float) -> dict:
+        """The worker's next line, or TimeoutError after limit_s seconds."""
+        deadline = time.monotonic() + limit_s
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise EOFError("end of its output")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def stop(self):
+        """Kill the worker (if any); its exit status."""
+        proc, self._proc, self._buf = getattr(self, "_proc", None), None, b""
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.kill()
+        for f in (proc.stdin, proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        return proc.wait()
+
+    def __del__(self):
+        try:
+            self.stop()
+        # at interpreter exit the modules it needs may be gone; the worker then sees EOF and exits
+        except Exception:
+            pass
+
+
 class Guarded:
     """A reward function `(response, gold) -> float` that never raises, never hangs past `timeout_s`
     and always returns a finite float; `counts` holds its failures of each kind, take_failures()
     those since the last take."""
 
     def __init__(self, spec: str, timeout_s: float = 1.0):
-        self.spec, self.timeout_s = spec, timeout_s
+        self._worker = Worker(spec)
+        self.timeout_s = timeout_s
         self.counts = dict.fromkeys(KINDS, 0)
         self._taken = 0
-        self._proc = None
-        self._buf = b""
+
+    @property
+    def spec(self) -> str:
+        """The file and function; a new value takes effect at the next worker's start."""
+        return self._worker.spec
+
+    @spec.setter
+    def spec(self, spec: str) -> None:
+        self._worker.spec = spec
 
     def __call__(self, response: str, gold: str) -> float:
         try:
-            reply = self._ask(json.dumps([response, gold]).encode() + b"\n")
+            reply = self._worker.call([response, gold], self.timeout_s)
         except TimeoutError:
-            self._stop()
+            self._worker.stop()
             return self._fail("timed out", f"ran past --reward-timeout-s {self.timeout_s}")
         # the worker died (os._exit, a crash) or broke the protocol
         except (OSError, EOFError, ValueError) as e:
-            code = self._stop()
+            code = self._worker.stop()
             return self._fail("raised", f"lost its process ({_one_line(e)}; exit status {code})")
         if "error" in reply:
             return self._fail("raised", f"raised {reply['error']}")
@@ -158,60 +239,7 @@ class Guarded:
         return n
 
     def close(self) -> None:
-        self._stop()
-
-    def __del__(self):
-        try:
-            self._stop()
-        # at interpreter exit the modules it needs may be gone; the worker then sees EOF and exits
-        except Exception:
-            pass
-
-    # --- the worker
-
-    def _ask(self, request: bytes) -> dict:
-        if self._proc is None or self._proc.poll() is not None:
-            self._stop()
-            self._proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).absolute()), self.spec],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                bufsize=0,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
-            )
-            # its "ready" once the file is imported: imports do not count against a call
-            self._reply(STARTUP_S)
-        self._proc.stdin.write(request)
-        return self._reply(self.timeout_s)
-
-    def _reply(self, limit_s: float) -> dict:
-        """The worker's next line, or TimeoutError after limit_s seconds."""
-        deadline = time.monotonic() + limit_s
-        fd = self._proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise EOFError("end of its output")
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
-
-    def _stop(self):
-        """Kill the worker (if any); its exit status."""
-        proc, self._proc, self._buf = getattr(self, "_proc", None), None, b""
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.kill()
-        for f in (proc.stdin, proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-        return proc.wait()
+        self._worker.stop()
 
     def _fail(self, kind: str, what: str) -> float:
         self.counts[kind] += 1
@@ -232,10 +260,47 @@ class Guarded:
 load = Guarded
 
 
-def serve(spec: str) -> None:
-    """The worker: one JSON line [response, gold] in, one JSON line out ({"value"}, {"error"} or
-    {"repr"}), until stdin closes. Its stdout is kept for replies, so whatever the function prints
-    goes to stderr."""
+class _Capped:
+    """A tool's stdout and stderr during a call: passed on to the worker's stderr up to `limit`
+    characters, then only counted (a tool that prints a megabyte fails, and floods no log)."""
+
+    def __init__(self, out, limit: int):
+        self.out, self.limit, self.chars = out, limit, 0
+
+    def write(self, s: str) -> int:
+        if self.chars < self.limit:
+            self.out.write(s[: self.limit - self.chars])
+        self.chars += len(s)
+        return len(s)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def _reward_reply(fn, args: list) -> dict:
+    value = fn(*args)
+    if isinstance(value, numbers.Real):
+        if math.isfinite(float(value)):
+            return {"value": float(value)}
+        return {"repr": repr(value)[:80]}
+    return {"repr": f"a {type(value).__name__} ({repr(value)[:60]})"}
+
+
+def _tool_reply(fn, args: list, text_chars: int) -> dict:
+    printed = _Capped(sys.stderr, text_chars)
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        value = fn(*args)
+    if printed.chars > text_chars:
+        return {"error": f"printed {printed.chars} characters (at most {text_chars})"}
+    if isinstance(value, str):
+        return {"text": value[:text_chars], "chars": len(value)}
+    return {"repr": f"a {type(value).__name__} ({repr(value)[:60]})"}
+
+
+def serve(spec: str, text_chars: int | None = None) -> None:
+    """The worker: one JSON line of arguments in ([response, gold], or [text] for a tool), one JSON
+    line out (Worker.call's reply), until stdin closes. Its stdout is kept for replies, so whatever
+    the function prints goes to stderr."""
     replies = os.fdopen(os.dup(1), "w", buffering=1)  # line-buffered: each reply leaves at once
     os.dup2(2, 1)
     # Ctrl-C is the trainer's to handle: it stops the worker itself
@@ -259,19 +324,14 @@ def serve(spec: str) -> None:
             reply = {"error": import_error}
         else:
             try:
-                value = fn(*json.loads(line))
-                if isinstance(value, numbers.Real):
-                    reply = (
-                        {"value": float(value)}
-                        if math.isfinite(float(value))
-                        else {"repr": repr(value)[:80]}
-                    )
+                if text_chars is None:
+                    reply = _reward_reply(fn, json.loads(line))
                 else:
-                    reply = {"repr": f"a {type(value).__name__} ({repr(value)[:60]})"}
+                    reply = _tool_reply(fn, json.loads(line), text_chars)
             except BaseException as e:  # noqa: BLE001 SystemExit and KeyboardInterrupt included
                 reply = {"error": _one_line(e)}
         replies.write(json.dumps(reply) + "\n")
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)
