@@ -228,26 +228,26 @@ def run_python(code: str, timeout_s: float) -> Result:
                 start_new_session=True,  # its own process group: killed whole
             )
         try:
-            code_ = proc.wait(timeout=timeout_s)
+            status = proc.wait(timeout=timeout_s)
             failure = None
         except subprocess.TimeoutExpired:
-            failure, code_ = f"timed out after {timeout_s:g} s", None
+            failure, status = f"timed out after {timeout_s:g} s", None
         try:  # whatever it started in the background goes too
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
         printed, errors = _head(out), _head(err)
-        if failure is None and code_ < 0:
-            name = signal.Signals(-code_).name
+        if failure is None and status < 0:
+            name = signal.Signals(-status).name
             failure = {
                 "SIGXCPU": f"killed by {name}: over {cpu_s} s of CPU time",
                 "SIGXFSZ": f"killed by {name}: a file or its output over {FILE_BYTES} bytes",
             }.get(name, f"killed by {name}")
-        elif failure is None and code_ > 0:
+        elif failure is None and status > 0:
             lines = [line for line in errors.splitlines() if line.strip()]
             # a traceback's last line names the exception; sys.exit(N) prints nothing
-            failure = lines[-1] if lines else f"exit status {code_}"
+            failure = lines[-1] if lines else f"exit status {status}"
             errors = ""
         if failure is None:
             return Result(cut(printed + errors), False)
