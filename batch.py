@@ -32,7 +32,8 @@ class Batch:
     input_ids: torch.Tensor  # [N, L] prompt + response, right-padded
     attention_mask: torch.Tensor  # [N, L]
     resp_start: torch.Tensor  # [N] first response position
-    resp_mask: torch.Tensor  # [N, T] 1 on response tokens
+    # [N, T] 1 on the response tokens the engine sampled (0 on a tool's output: tool_calls.py)
+    resp_mask: torch.Tensor
     gen_logp: torch.Tensor  # [N, T] the engine's logprobs of the response tokens
     advantages: torch.Tensor  # [N]
     loss_mask: torch.Tensor  # [N, T] resp_mask, minus overlong-filtered responses
@@ -58,7 +59,7 @@ class Batch:
         """These rows, trimmed to their own longest sequence and response."""
         idx = torch.tensor(rows)
         L = max(self.lengths[r] for r in rows)
-        T = int(self.resp_mask[idx].sum(1).max().clamp(min=1))
+        T = max(max(self.lengths[r] - int(self.resp_start[r]) for r in rows), 1)
         width = dict(input_ids=L, attention_mask=L)  # the [N, T] ones to T
 
         def cut(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -108,6 +109,8 @@ def make_batch(
       loss_mask  resp_mask; with overlong_filter [[1., 1.], [0., 0.]]: the cut response leaves
                  the loss
       truncated  [False, True], lengths [4, 3], rows [0, 1]
+    A tool's output in a response (Sample.tool_mask) is in input_ids and attention_mask, as the
+    engine saw it, and 0 in resp_mask and loss_mask: the model attends to it, nothing trains on it.
     """
     N = len(samples)  # 0 on a rank with no group this step (train.collect_groups)
     seqs = [prompts[s.prompt_idx] + s.token_ids for s in samples]
@@ -117,6 +120,8 @@ def make_batch(
     gen_logp = torch.zeros(N, T)
     for i, s in enumerate(samples):
         resp_mask[i, : len(s.token_ids)] = 1
+        if s.tool_mask:
+            resp_mask[i, : len(s.token_ids)] -= torch.tensor(s.tool_mask, dtype=torch.float32)
         gen_logp[i, : len(s.token_ids)] = torch.tensor(s.logprobs)
     start = torch.tensor([len(prompts[s.prompt_idx]) for s in samples], dtype=torch.long)
     truncated = torch.tensor([s.truncated for s in samples], dtype=torch.bool)

@@ -31,6 +31,8 @@ from pathlib import Path
 import distributed
 import model
 import reward
+import tool_calls
+import toolbox
 import user_reward
 from checks import UserError
 
@@ -225,6 +227,13 @@ class Task:
     train_prompts: list[list[int]]  # token ids of each training prompt
     heldout: list[Problem]  # the first --eval-prompts held-out problems that fit
     heldout_prompts: list[list[int]]
+    tools: tool_calls.Tools | None = None  # --tool: the tools responses may call
+
+    def text(self, sample) -> str:
+        """What the reward reads of a sample (rollout.Sample): its decoded text, special tokens
+        skipped; with --tool, only what the model wrote (tool_calls.model_text)."""
+        tags = self.tools.box.tags if self.tools else ()
+        return tool_calls.model_text(self.tok, sample, tags)
 
     @property
     def fingerprint(self) -> str:  # what the prompt stream indexes (runtime.Run.resume)
@@ -262,7 +271,15 @@ def load_task(cfg) -> Task:
     )
     if cfg.reward:
         reward_fn = user_reward.load(cfg.reward, cfg.reward_timeout_s)
-    return Task(path, tok, reward_fn, train_set, train_prompts, heldout, heldout_prompts)
+    tools = load_tools(cfg.tool, cfg.tool_timeout_s, cfg.max_tool_calls, tok)
+    return Task(path, tok, reward_fn, train_set, train_prompts, heldout, heldout_prompts, tools)
+
+
+def load_tools(specs: list[str], timeout_s: float, max_calls: int, tok) -> tool_calls.Tools | None:
+    """The tools of --tool (toolbox.checks passed), or None without any."""
+    if not specs:
+        return None
+    return tool_calls.Tools(toolbox.Toolbox(specs, timeout_s), tok, max_calls)
 
 
 def model_path(cfg) -> str:

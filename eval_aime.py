@@ -25,7 +25,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -38,6 +38,8 @@ import memory
 import model
 import reward
 import rollout
+import tool_calls
+import toolbox
 import user_reward
 from checks import check, one_line_errors, writable
 
@@ -66,6 +68,10 @@ class EvalConfig:
     # box their answers, reward.py)
     answer: Literal["boxed", "last-number"] = "boxed"
     reward_timeout_s: float = 1.0  # --reward FILE:FUNCTION: a call running longer scores 0
+    # tools the model may call, as train.py's --tool: calculator, python, path/to/file.py:function
+    tool: list[str] = field(default_factory=list)
+    max_tool_calls: int = 4  # --tool: a response ends after this many calls' outputs
+    tool_timeout_s: float = 5.0  # --tool: a call running longer gives an error text as its output
     k: int = 16  # samples per problem
     temperature: float = 0.6  # sampling temperature
     top_p: float = 0.95  # nucleus sampling
@@ -108,7 +114,15 @@ def summarize(rows: list[dict], n_problems: int, k: int) -> dict:
         "mean_response_tokens": sum(r["tokens"] for r in rows) / len(rows),
         "truncated_frac": sum(r["truncated"] for r in rows) / len(rows),
         "correct": correct,
-    }
+    } | (
+        {  # --tool: calls per response, and of those the failed ones
+            "tool_calls_mean": sum(r["tool_calls"] for r in rows) / len(rows),
+            "tool_error_frac": sum(r["tool_errors"] for r in rows)
+            / max(sum(r["tool_calls"] for r in rows), 1),
+        }
+        if rows and "tool_calls" in rows[0]
+        else {}
+    )
 
 
 def heldout_accuracy(
@@ -123,6 +137,7 @@ def heldout_accuracy(
     seed: int,
     tp: int = 1,
     progress: bool = False,
+    tools: tool_calls.Tools | None = None,
 ) -> dict:
     """The held-out figures a training run logs (GRPO and DPO): heldout_pass1 = mean reward over k
     samples per prompt at `temperature`, with its 95% CI over prompts as summarize() gives it
@@ -132,29 +147,32 @@ def heldout_accuracy(
     Each engine (rank, or group of `tp` tensor-parallel ranks sending identical requests) takes its
     share; a collective. Each prompt's samples come from streams of its own, seeded by its index in
     `prompts`: independent across ranks, and the same figures at any world size. max_tokens: one
-    limit, or one per prompt."""
+    limit, or one per prompt. With `tools` (--tool) the responses call them (tool_calls.generate),
+    the reward reads the model's own text, and heldout_tool_calls_mean (calls per sampled response)
+    and heldout_tool_error_frac (of those calls, the failed ones) join the figures."""
     first, last = distributed.share(
         prompts, distributed.rank() // tp, distributed.world_size() // tp
     )
     mine, gold = prompts[first:last], answers[first:last]
     caps = max_tokens[first:last] if isinstance(max_tokens, list) else max_tokens
-    sampled = engine.generate(
+    sampled = tool_calls.generate(
+        engine,
         mine,
         n=k,
         max_tokens=caps,
+        tools=tools,
         temperature=temperature,
         seed=seed,
         progress=progress,
         first_index=first,
     )
-    greedy = engine.generate(
-        mine, n=1, max_tokens=caps, temperature=0.0, seed=seed, first_index=first
-    )
+    greedy = tool_calls.generate(
+        engine, mine, n=1, max_tokens=caps, tools=tools, temperature=0.0, seed=seed,
+        first_index=first,
+    )  # fmt: skip
+    tags = tools.box.tags if tools else ()
     s, g = (
-        [
-            reward_fn(tok.decode(x.token_ids, skip_special_tokens=True), gold[x.prompt_idx])
-            for x in samples
-        ]
+        [reward_fn(tool_calls.model_text(tok, x, tags), gold[x.prompt_idx]) for x in samples]
         for samples in (sampled, greedy)
     )
     per_prompt = [0.0] * len(mine)  # each prompt's pass rate over its k samples
@@ -163,6 +181,7 @@ def heldout_accuracy(
     counted = float(distributed.rank() % tp == 0)
     sums = [sum(s), sum(g), sum(per_prompt), sum(p * p for p in per_prompt), len(mine)]
     sums += [sum(len(x.token_ids) for x in sampled), sum(x.truncated for x in sampled)]
+    sums += [sum(x.tool_calls for x in sampled), sum(x.tool_errors for x in sampled)]
     tot = distributed.all_reduce_sum(counted * torch.tensor(sums, dtype=torch.float64)).tolist()
     n = tot[4]  # prompts: k samples and one greedy response each
     if not n:
@@ -177,7 +196,14 @@ def heldout_accuracy(
         "heldout_greedy": tot[1] / n,
         "heldout_response_len_mean": tot[5] / (k * n),
         "heldout_truncated_frac": tot[6] / (k * n),
-    }
+    } | (
+        {
+            "heldout_tool_calls_mean": tot[7] / (k * n),
+            "heldout_tool_error_frac": tot[8] / tot[7] if tot[7] else 0.0,
+        }
+        if tools
+        else {}
+    )
 
 
 def kv_cache_gib(cfg: EvalConfig, shape: memory.Shape, seqs: int, max_len: int) -> float:
@@ -224,6 +250,13 @@ def validate(cfg: EvalConfig, world: int) -> None:
                 cfg.answer == "boxed" or cfg.reward == "math",
                 f"--answer {cfg.answer}: chooses how --reward math reads an answer (not --reward "
                 f"{cfg.reward})",
+            ),
+            *toolbox.checks(cfg.tool, cfg.tool_timeout_s),
+            (
+                not cfg.tool or (cfg.max_tool_calls >= 1 and cfg.tensor_parallel_size == 1),
+                f"--tool: needs --max-tool-calls >= 1 (not {cfg.max_tool_calls}) and "
+                f"--tensor-parallel-size 1 (not {cfg.tensor_parallel_size}): a tool's output "
+                "could differ between the ranks of one engine",
             ),
             (cfg.k >= 1, f"--k {cfg.k}: must be at least 1"),
             (
@@ -282,10 +315,13 @@ def main(cfg: EvalConfig, engine=None) -> dict:
             shape = memory.Shape.from_config(path, cfg.trust_remote_code)
             kv["kv_cache_gib"] = kv_cache_gib(cfg, shape, (last - first) * cfg.k, max_len)
         engine = rollout.VLLMEngine(**engine_args(cfg, path, max_len), **kv)
-    samples = engine.generate(
+    tools = data.load_tools(cfg.tool, cfg.tool_timeout_s, cfg.max_tool_calls, tok)
+    samples = tool_calls.generate(
+        engine,
         prompts[first:last],
         n=cfg.k,
         max_tokens=cfg.max_tokens,
+        tools=tools,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         seed=cfg.seed,
@@ -298,16 +334,21 @@ def main(cfg: EvalConfig, engine=None) -> dict:
     rows = []
     for s in samples:
         i = first + s.prompt_idx
-        text = tok.decode(s.token_ids, skip_special_tokens=True)
         rows.append(
             {
                 "problem_idx": i,
                 "answer": problems[i].answer,
-                "response": text,
-                "reward": score(text, problems[i].answer),
+                # the whole response, tools' outputs included (special tokens skipped)
+                "response": tok.decode(s.token_ids, skip_special_tokens=True),
+                # the model's own text, which the reward reads (tool_calls.model_text)
+                "reward": score(
+                    tool_calls.model_text(tok, s, tools.box.tags if tools else ()),
+                    problems[i].answer,
+                ),
                 "truncated": s.truncated,
                 "tokens": len(s.token_ids),
             }
+            | ({"tool_calls": s.tool_calls, "tool_errors": s.tool_errors} if tools else {})
         )
     rows = [r for part in distributed.gather_to_main(rows if rank % tp == 0 else []) for r in part]
     custom = isinstance(score, user_reward.Guarded)  # --reward FILE:FUNCTION
@@ -338,6 +379,12 @@ def main(cfg: EvalConfig, engine=None) -> dict:
         f"mean response {summary['mean_response_tokens']:.0f} tokens, truncated "
         f"{summary['truncated_frac']:.3f}\n"
         + (f"reward errors (scored 0): {failed}\n" if custom else "")
+        + (
+            f"tool calls per response {summary['tool_calls_mean']:.2f}, failed "
+            f"{summary['tool_error_frac']:.3f}\n"
+            if cfg.tool
+            else ""
+        )
         + f"samples in {out}"
     )
     summary_file = out.with_suffix(".summary.json")

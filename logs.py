@@ -213,6 +213,8 @@ class StepSums:
     trained_seqs: float  # rows the update computed (Update.seqs)
     trained_tokens: float  # their response tokens
     reward_errors: float  # samples whose --reward failed (Groups.reward_errors)
+    tool_calls: float  # --tool: calls the step's responses made (tool_calls.py)
+    tool_errors: float  # of those, the ones whose tool failed
 
 
 def step_metrics(
@@ -243,6 +245,8 @@ def step_metrics(
         upd.seqs,
         upd.resp_tokens,
         groups.reward_errors,
+        sum(s.tool_calls for s in groups.samples),
+        sum(s.tool_errors for s in groups.samples),
     )
     r, m, mm = distributed.sum_over_ranks(here, upd.loss, upd.mismatch)
     n_seq, n_loss_tok = r.seqs, max(m.tokens, 1.0)
@@ -279,6 +283,10 @@ def step_metrics(
         lr=sched.get_last_lr()[0],
         peak_mem_gib=peak_mem_gib,
         reward_errors=int(r.reward_errors),
+        # --tool: calls per response, and the share of calls whose tool failed (0 without tools);
+        # response_len_mean counts sampled tokens only
+        tool_calls_mean=r.tool_calls / n_seq,
+        tool_error_frac=r.tool_errors / r.tool_calls if r.tool_calls else 0.0,
         tokens_per_s=r.resp_tokens
         / max(sum(times.values()), 1e-9),  # generated tokens per second of steps 1-7
         **{f"time_{k}": v for k, v in times.items()},

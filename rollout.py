@@ -18,7 +18,7 @@ import copy
 import logging
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -42,6 +42,13 @@ class Sample:
     # the engine's log pi(token) for each response token, at the sampling temperature
     logprobs: list[float]
     truncated: bool  # hit max_tokens without stopping
+    # the stop string the engine stopped at (generate's `stop`: a tool call's end), else None
+    stop: str | None = None
+    # with tools (tool_calls.py): 1 at each response token a tool wrote (its output, appended
+    # after a call: no logprob, no loss), 0 at each sampled one; empty: every token was sampled
+    tool_mask: list[int] = field(default_factory=list)
+    tool_calls: int = 0  # tool calls the response made
+    tool_errors: int = 0  # of those, the ones whose tool failed (raised, timed out, bad input)
 
 
 class Engine(Protocol):
@@ -59,12 +66,15 @@ class Engine(Protocol):
         seed: int | None = None,
         progress: bool = False,
         min_tokens: int = 0,
-        first_index: int = 0,
+        first_index: int | list[int] = 0,
+        stop: list[str] | None = None,
     ) -> list[Sample]:
         """n samples for each prompt, ordered prompt-major: samples of prompt i are [i*n, (i+1)*n).
         max_tokens: one limit, or one per prompt (what the prompt leaves of the sequence length).
         progress: show a progress bar (long rollouts on GPUs). min_tokens: EOS is masked before this
-        many tokens (fixed-length benchmark workloads). first_index: see VLLMEngine.generate."""
+        many tokens (fixed-length benchmark workloads). first_index: see VLLMEngine.generate.
+        stop: strings that end a response at the token that completes one (kept in the response,
+        named in Sample.stop): a tool call's end (tool_calls.py)."""
         ...
 
     def load_weights(self, weights: distributed.Weights) -> None:
@@ -178,13 +188,15 @@ class VLLMEngine:
         progress=False,
         min_tokens=0,
         first_index=0,
+        stop=None,
     ) -> list[Sample]:
         """max_tokens: one limit for every prompt, or a list with one per prompt.
 
         seed: reproducible samples, each from a random stream of its own. Each prompt's streams are
         derived from `seed` and its index in the whole list, first_index + i (first_index: the index
         of prompts[0] in a larger list split over engines: ranks in training and evaluation), so its
-        samples do not depend on how the list was split, and two ranks never draw the same noise.
+        samples do not depend on how the list was split, and two ranks never draw the same noise;
+        or a list, each prompt's own index (tool_calls.py's continuations: each its sample's).
         vLLM gives child j of a request seeded s the seed s + j, so prompt seeds are n apart: no two
         samples share a stream. On GPU (vLLM's model runner V2) seeded requests cost nothing extra:
         its sampler's noise is a hash of (seed, position), for all rows at once. On CPU each
@@ -200,6 +212,7 @@ class VLLMEngine:
             raise RuntimeError("the vLLM engine is asleep: load_weights (the refit) wakes it")
         caps = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         base = None if seed is None else seed * 2654435761 % 2**32
+        index = stream_indices(first_index, len(prompts))
         sps = [
             SamplingParams(
                 n=n,
@@ -208,8 +221,11 @@ class VLLMEngine:
                 top_p=top_p,
                 logprobs=0,
                 min_tokens=min(min_tokens, cap),
-                detokenize=False,  # the caller decodes what it needs
-                seed=None if base is None else base + (first_index + i) * n,
+                # the caller decodes what it needs; stop strings are matched in the decoded text
+                detokenize=bool(stop),
+                stop=stop,
+                include_stop_str_in_output=True,
+                seed=None if base is None else base + index[i] * n,
             )
             for i, cap in enumerate(caps)
         ]
@@ -221,7 +237,8 @@ class VLLMEngine:
             for c in out.outputs:
                 ids = list(c.token_ids)
                 lps = [d[t].logprob for t, d in zip(ids, c.logprobs)]
-                samples.append(Sample(i, ids, lps, truncated=c.finish_reason == "length"))
+                hit = c.stop_reason if isinstance(c.stop_reason, str) else None
+                samples.append(Sample(i, ids, lps, c.finish_reason == "length", stop=hit))
         return samples
 
     def load_weights(self, weights: distributed.Weights) -> None:
@@ -385,8 +402,8 @@ class HFEngine:
             .to(device)
             .eval()
         )
-        tok = model.load_tokenizer(model_path, trust_remote_code=trust_remote_code)
-        self.eos, self.pad = tok.eos_token_id, tok.pad_token_id
+        self.tok = model.load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+        self.eos, self.pad = self.tok.eos_token_id, self.tok.pad_token_id
         self.batch_size = batch_size
         on_gpu = self.model.device.type == "cuda"
         if on_gpu and dtype == torch.bfloat16:
@@ -407,15 +424,19 @@ class HFEngine:
         progress=False,
         min_tokens=0,
         first_index=0,
+        stop=None,
     ) -> list[Sample]:
         """Every sample comes from one torch stream seeded with `seed` (mixed with first_index past
         the first share, so engines that split a list draw different noise); a split of the list
-        over engines still changes the draws, unlike vLLM's.
+        over engines still changes the draws, unlike vLLM's. `stop`: each response is cut at the
+        first token whose text completes a stop string, as vLLM's (generate is told them too, so a
+        batch stops early).
         Per-prompt limits: a batch generates up to its largest, and each response is cut at its own
         (generation is causal: the tokens up to a limit are those a run stopped there would have
         drawn)."""
         if seed is not None:
-            torch.manual_seed(hash((seed, first_index)) if first_index else seed)
+            mix = first_index if isinstance(first_index, int) else tuple(first_index)
+            torch.manual_seed(hash((seed, mix)) if mix else seed)
         caps = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         flat = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
         greedy, samples = temperature == 0, []
@@ -446,6 +467,8 @@ class HFEngine:
                 pad_token_id=self.pad,
                 logits_processor=LogitsProcessorList([rec]),
                 return_dict_in_generate=True,
+                stop_strings=stop or None,
+                tokenizer=self.tok if stop else None,
             )
             new = out.sequences[:, width:]  # [N, t]
             logp = rec.finish(new).cpu()  # [N, t]
@@ -453,8 +476,10 @@ class HFEngine:
             for r, (i, _) in enumerate(batch):
                 toks = new[r, : cap[r]].tolist()
                 k = toks.index(self.eos) + 1 if self.eos in toks else len(toks)
+                k, hit = stop_at(self.tok, toks[:k], stop) if stop else (k, None)
                 lps = logp[r, :k].tolist()
-                samples.append(Sample(i, toks[:k], lps, truncated=self.eos not in toks[:k]))
+                truncated = hit is None and self.eos not in toks[:k]
+                samples.append(Sample(i, toks[:k], lps, truncated, stop=hit))
         return samples
 
     def sleep(self) -> None:
@@ -469,6 +494,32 @@ class HFEngine:
             for name, t in weights:
                 # a tied lm_head shares storage with the embedding: one copy serves both
                 params[name].copy_(t)
+
+
+def stream_indices(first_index: int | list[int], n: int) -> list[int]:
+    """Each of n prompts' index for its random streams: first_index + i, or the list's own."""
+    return (
+        list(range(first_index, first_index + n)) if isinstance(first_index, int) else first_index
+    )
+
+
+def stop_at(tok, ids: list[int], stop: list[str]) -> tuple[int, str | None]:
+    """(k, s): ids[:k] is the shortest prefix whose text (special tokens skipped, as vLLM's
+    detokenizer) holds a stop string, s the one that ends first in it; (len(ids), None) if none does.
+    A prefix holds one whenever a shorter one does, so a binary search finds k."""
+
+    def first(k: int) -> str | None:
+        text = tok.decode(ids[:k], skip_special_tokens=True)
+        ends = [(text.find(s) + len(s), s) for s in stop if s in text]
+        return min(ends)[1] if ends else None
+
+    if first(len(ids)) is None:
+        return len(ids), None
+    lo, hi = 1, len(ids)  # the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if first(mid) is not None else (mid + 1, hi)
+    return lo, first(lo)
 
 
 def make_engine(cfg, task, dtype: torch.dtype, device) -> Engine:

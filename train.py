@@ -49,6 +49,8 @@ import reward
 import rollout
 import runtime
 import token_picks
+import tool_calls
+import toolbox
 import user_reward
 from batch import Batch
 from checkpoint import export_hf
@@ -98,6 +100,14 @@ class Config:
     reward: str = ""
     # --reward: a call running longer scores 0 (its worker process is killed)
     reward_timeout_s: float = 1.0
+    # tools the model may call inside a response, <TAG>input</TAG>, its output appended as
+    # <result>output</result> (tool_calls.py, toolbox.py): calculator (<calc>), python (<python>,
+    # in a child process with time, memory and file limits: against accidents, not a hostile
+    # model), or path/to/file.py:function, your own f(text) -> str (tag: its name)
+    tool: list[str] = field(default_factory=list)
+    max_tool_calls: int = 4  # --tool: a response ends after this many calls' outputs
+    # --tool: a call running longer gives an error text as its output (its process is killed)
+    tool_timeout_s: float = 5.0
     # DeepScaleR preset (1: 8K, 2: 16K, 3: 24K, 4: GSPO 8K); flags override it
     stage: Literal[0, 1, 2, 3, 4] = 0
     # start from this HF checkpoint folder (e.g. the previous stage's <out_dir>/final)
@@ -273,6 +283,13 @@ def flag_checks(cfg: Config, world: int) -> None:
                 "(--task math, no --reward)",
             ),
             *user_reward.checks(cfg.reward, cfg.reward_timeout_s),
+            *toolbox.checks(cfg.tool, cfg.tool_timeout_s),
+            (
+                not cfg.tool or (cfg.max_tool_calls >= 1 and cfg.tensor_parallel_size == 1),
+                f"--tool: needs --max-tool-calls >= 1 (not {cfg.max_tool_calls}) and "
+                f"--tensor-parallel-size 1 (not {cfg.tensor_parallel_size}): a tool's output "
+                "could differ between the ranks of one engine",
+            ),
             *lora.flag_checks(cfg.lora),
             *runtime.run_checks(cfg.run),
         ]
@@ -485,11 +502,13 @@ def rollout_round(
     first_prompt = engine_rank * prompts_per_engine
     ids = stream.take(cfg.prompts_per_step)[first_prompt : first_prompt + prompts_per_engine]
     prompts = [task.train_prompts[i] for i in ids]
-    with runtime.timed(times, "generate"):  # 2.
-        samples = engine.generate(
+    with runtime.timed(times, "generate"):  # 2. (with --tool, calling tools along the way)
+        samples = tool_calls.generate(
+            engine,
             prompts,
             n=G,
             max_tokens=[response_limit(cfg, p) for p in prompts],
+            tools=task.tools,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             progress=runtime.bars(cfg),
@@ -507,15 +526,10 @@ def score(task: data.Task, ids: list[int], samples: list[rollout.Sample], G: int
     prompts.
 
     Example (sum3, G = 2): problems 3+9+4= and 1+2+3=, responses "16", "12" and "6", "6" -> [[1.,
-    0.], [1., 1.]]."""
+    0.], [1., 1.]]. With --tool the reward reads what the model wrote, not the tools' outputs
+    (tool_calls.model_text)."""
     return torch.tensor(
-        [
-            task.reward_fn(
-                task.tok.decode(s.token_ids, skip_special_tokens=True),
-                task.train[ids[s.prompt_idx]].answer,
-            )
-            for s in samples
-        ]
+        [task.reward_fn(task.text(s), task.train[ids[s.prompt_idx]].answer) for s in samples]
     ).view(len(ids), G)
 
 
@@ -560,16 +574,20 @@ def overlong_shaping(cfg: Config, prompts: list[list[int]], samples) -> torch.Te
     most --max-new-tokens. A response cut off at its limit loses --overlong-buffer-penalty whatever
     its prompt's length, as in DAPO, verl and NeMo-RL (measured from --max-new-tokens, a response of
     a long prompt would stop before the buffer and escape the penalty). A limit shorter than the
-    buffer is all buffer.
+    buffer is all buffer. With --tool it counts the sampled tokens, against the limit less the
+    tools' tokens (a response cut off at its limit still loses the whole penalty).
 
     Example (--max-seq-len 12, --max-new-tokens 8, buffer 4): prompts of 2 and 6 tokens, responses
     of 8 and 6 tokens, each at its limit -> [-1., -1.]."""
     out = []
     for s in samples:
-        cap = response_limit(cfg, prompts[s.prompt_idx])
+        tool = tool_calls.tool_tokens(s)
+        cap = response_limit(cfg, prompts[s.prompt_idx]) - tool
         buffer = min(cfg.overlong_buffer_length, cap)
         out.append(
-            reward.overlong_penalty(len(s.token_ids), cap, buffer, cfg.overlong_buffer_penalty)
+            reward.overlong_penalty(
+                len(s.token_ids) - tool, cap, buffer, cfg.overlong_buffer_penalty
+            )
         )
     return torch.tensor(out, dtype=torch.float32)
 
@@ -765,6 +783,7 @@ def evaluate(engine: rollout.Engine, task: data.Task, cfg: Config, step: int) ->
         cfg.run.seed + step,  # fresh samples at every evaluation, the same ones at any world size
         cfg.tensor_parallel_size,
         runtime.bars(cfg),
+        task.tools,
     )
     if cfg.reward:
         failed = torch.tensor([float(task.reward_failures())])
