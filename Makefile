@@ -13,7 +13,7 @@ REQ := $(if $(GPU),requirements.txt,requirements-cpu.txt)
 STAMP := .venv/.installed-$(basename $(REQ))
 ARGS ?=
 
-.PHONY: demo plain dpo test test-fast lint format recipe smollm2 smollm2-recipe bench gpu-check gpu-wheels check-setup clean
+.PHONY: demo plain dpo test test-fast lint format recipe smollm2 smollm2-recipe smollm2-tools bench gpu-check gpu-wheels check-setup clean
 # Each target below first builds what it uses of the demo's into the cache (~/.cache/grpo-minimal, or $GRPO_CACHE),
 # once per machine: its base model (demo/bases.py NAME, which --model NAME then finds in the cache's models/) and, for
 # the sum3 task, its problems (demo/tasks.py sum3); the core only reads them there. BASES: the demo's names; a MODEL=
@@ -151,6 +151,35 @@ smollm2-recipe: $(STAMP)
 	$(RUN) train.py --stage 3 $(SRSCALE) --init-from $(SD)/s2/final --max-seq-len 192 --max-new-tokens 96 --lr 7.5e-6 --steps $(SSTEPS3) --out-dir $(SD)/s3
 	$(RUN) eval_aime.py --model $(SD)/s3/final $(SREVAL) --out $(SD)/eval_s3.jsonl
 	$(RUN) tools/recipe.py $(SD)
+
+# Tools in the rollout on a real model (docs/tools.md): SmolLM2-135M-Instruct with the calculator (--tool calculator)
+# on sums of 4 and 5 digits (`python demo/tasks.py long-digits`: the recipe task's held-out problems of those lengths),
+# after a one-shot prompt whose example calls it (demo/smollm2-tools-prompt.txt); the control trains the same way
+# without the tool, after the recipe's prompt that works the example one addition at a time. 8 prompts x 8 samples,
+# 64 new tokens, lr 3e-5, TSTEPS steps, held-out pass@1 and tool calls every 2 steps (the figure's curves). eval_aime.py
+# scores the base and each run's end on the 100 held-out problems (TK samples each) for the paired table:
+# `python tools/tools_table.py TR` after SEED=0, 1 and 2. The choices that did not work: docs/log.md.
+TR ?= runs/smollm2-tools
+TSTEPS ?= 8
+TK ?= 4
+TD = $(TR)/seed$(SEED)
+TSCALE = --model smollm2 --task math --answer last-number --prompts-per-step 8 --group-size 8 --max-new-tokens 64 \
+         --max-seq-len 192 --lr 3e-5 --steps $(TSTEPS) --eval-every 2 --eval-prompts 100 --eval-samples 2 \
+         --micro-batch-tokens 1024 --checkpoint-every 0 --threads $(THREADS) --seed $(SEED) \
+         --data $(TR)/data/train.jsonl --val-data $(TR)/data/heldout.jsonl
+TEVAL = --data $(TR)/data/heldout.jsonl --answer last-number --k $(TK) --max-tokens 64 --seed $(SEED)
+TOOL = --tool calculator --prompt-template demo/smollm2-tools-prompt.txt
+NOTOOL = --prompt-template demo/smollm2-recipe-prompt.txt
+
+smollm2-tools: $(STAMP)
+	$(RUN) demo/bases.py smollm2
+	$(RUN) demo/tasks.py long-digits $(TR)/data
+	$(RUN) eval_aime.py --model smollm2 $(TEVAL) $(TOOL) --out $(TD)/eval_base_tool.jsonl
+	$(RUN) eval_aime.py --model smollm2 $(TEVAL) $(NOTOOL) --out $(TD)/eval_base_notool.jsonl
+	$(RUN) train.py $(TSCALE) $(TOOL) --out-dir $(TD)/tool
+	$(RUN) eval_aime.py --model $(TD)/tool/final $(TEVAL) $(TOOL) --out $(TD)/eval_tool.jsonl
+	$(RUN) train.py $(TSCALE) $(NOTOOL) --out-dir $(TD)/notool
+	$(RUN) eval_aime.py --model $(TD)/notool/final $(TEVAL) $(NOTOOL) --out $(TD)/eval_notool.jsonl
 
 # the step-time table of docs/speed.md (tools/bench.py); TRL is only needed for its comparison row
 bench: $(STAMP)

@@ -180,7 +180,10 @@ def heldout_accuracy(
         per_prompt[x.prompt_idx] += r / k
     counted = float(distributed.rank() % tp == 0)
     sums = [sum(s), sum(g), sum(per_prompt), sum(p * p for p in per_prompt), len(mine)]
-    sums += [sum(len(x.token_ids) for x in sampled), sum(x.truncated for x in sampled)]
+    # lengths in sampled tokens, as the training rows' response_len_mean (a tool's are not the
+    # model's)
+    length = sum(len(x.token_ids) - tool_calls.tool_tokens(x) for x in sampled)
+    sums += [length, sum(x.truncated for x in sampled)]
     sums += [sum(x.tool_calls for x in sampled), sum(x.tool_errors for x in sampled)]
     tot = distributed.all_reduce_sum(counted * torch.tensor(sums, dtype=torch.float64)).tolist()
     n = tot[4]  # prompts: k samples and one greedy response each
@@ -346,9 +349,17 @@ def main(cfg: EvalConfig, engine=None) -> dict:
                     problems[i].answer,
                 ),
                 "truncated": s.truncated,
-                "tokens": len(s.token_ids),
+                "tokens": len(s.token_ids) - tool_calls.tool_tokens(s),  # the sampled ones
             }
-            | ({"tool_calls": s.tool_calls, "tool_errors": s.tool_errors} if tools else {})
+            | (
+                {
+                    "tool_calls": s.tool_calls,
+                    "tool_errors": s.tool_errors,
+                    "tool_tokens": tool_calls.tool_tokens(s),
+                }
+                if tools
+                else {}
+            )
         )
     rows = [r for part in distributed.gather_to_main(rows if rank % tp == 0 else []) for r in part]
     custom = isinstance(score, user_reward.Guarded)  # --reward FILE:FUNCTION

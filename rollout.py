@@ -505,8 +505,8 @@ def stream_indices(first_index: int | list[int], n: int) -> list[int]:
 
 def stop_at(tok, ids: list[int], stop: list[str]) -> tuple[int, str | None]:
     """(k, s): ids[:k] is the shortest prefix whose text (special tokens skipped, as vLLM's
-    detokenizer) holds a stop string, s the one that ends first in it; (len(ids), None) if none does.
-    A prefix holds one whenever a shorter one does, so a binary search finds k."""
+    detokenizer) holds a stop string, s the one that ends first in it; (len(ids), None) if none
+    does. A prefix holds one whenever a shorter one does, so a binary search finds k."""
 
     def first(k: int) -> str | None:
         text = tok.decode(ids[:k], skip_special_tokens=True)

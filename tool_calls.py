@@ -1,5 +1,5 @@
-"""Rollouts with tool calls: a response that calls a tool stops at the call's end, the tool runs, its
-output is appended, and the engine goes on from there, token for token.
+"""Rollouts with tool calls: a response that calls a tool stops at the call's end, the tool runs,
+its output is appended, and the engine goes on from there, token for token.
 
 One response, as the engine and the trainer see it (--tool calculator; the tags are toolbox.py's):
 

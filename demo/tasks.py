@@ -257,11 +257,20 @@ def digits_split(n_heldout_per_n: int = 50, n_train: int = 8000, seed: int = 99)
     return [problem(xs) for xs in train], [problem(xs) for xs in held]
 
 
+def long_digits_split():
+    """digits_split's problems of 4 and 5 digits, the ones SmolLM2 cannot add alone (`make
+    smollm2-tools`): the same held-out problems, never in the training file."""
+    train, held = digits_split()
+    long = lambda p: p.prompt.count("+") >= 3  # noqa: E731
+    return [p for p in train if long(p)], [p for p in held if long(p)]
+
+
 TASKS = {
     "sum3": (sum3_split, "sum-of-three-digits"),
     "sums": (lambda: sums_split()[:2], "chain-sum"),
     "add": (add_split, "two-digit addition"),
     "digits": (digits_split, "digit-sum"),
+    "long-digits": (long_digits_split, "4- and 5-digit-sum"),
 }
 
 

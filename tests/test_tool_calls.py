@@ -10,14 +10,18 @@ and skipping see tool tokens as any other; and the reward reads the model's word
 """
 
 import json
+import os
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import CPU_ONLY
+from safetensors.torch import load_file
+from test_distributed import TORCHRUN
 
 import batch
-import data
 import grpo
 import model
 import reward
@@ -278,3 +282,81 @@ def test_packing_and_skipping_treat_a_tool_token_as_any_token(tiny64, tok):
     # tokens are all a tool's could not be, since a call is always sampled
     zero = replace(b, advantages=torch.tensor([1.0, -1.0, 0.0, 0.0]))
     assert batch.trained_rows(zero, [0, 1, 2, 3], skip=True, advantage_free_term=False) == [0, 1]
+
+
+# train.py with the calculator on SmolLM2, 2 prompts x 4 samples a step, as a user would run it
+def train_flags(problems: Path, out: Path, steps: int) -> list[str]:
+    return [
+        "--model", bases.SMOLLM2, "--task", "math", "--answer", "last-number",
+        "--data", str(problems), "--val-data", str(problems),
+        "--prompt-template", str(ROOT / "demo" / "smollm2-tools-prompt.txt"),
+        "--tool", "calculator", "--prompts-per-step", "2", "--group-size", "4",
+        "--max-new-tokens", "48", "--max-seq-len", "192", "--eval-every", "0",
+        "--checkpoint-every", "1", "--steps", str(steps), "--out-dir", str(out), "--quiet",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tool_runs(tmp_path_factory, engine, path) -> dict:
+    """Two steps in one go; the same as one step, then a second run that resumes from its
+    checkpoint (both in this process, on the module's engine); the two steps on 2 ranks under
+    torchrun."""
+    tmp = tmp_path_factory.mktemp("tool_runs")
+    problems = tmp / "problems.jsonl"
+    sums = ["4 + 9 + 2 + 7 + 5", "6 + 1 + 8 + 3", "2 + 9 + 9 + 4 + 6", "7 + 3 + 5 + 8"]
+    problems.write_text(
+        "".join(
+            json.dumps({"problem": f"What is {s}?", "answer": str(sum(map(int, s.split(" + "))))})
+            + "\n"
+            for s in sums
+        )
+    )
+    base = list(model.hf_weights(model.load_model(path), torch.float32))
+
+    def run(out: Path, steps: int) -> None:
+        engine.load_weights(base)  # a resumed run loads its checkpoint's weights itself
+        train.train(train.parse_args(train_flags(problems, out, steps)), engine)
+
+    run(tmp / "whole", 2)
+    run(tmp / "resumed", 1)
+    run(tmp / "resumed", 2)
+    r = subprocess.run(
+        [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29400 + os.getpid() % 100),
+         str(ROOT / "train.py"), *train_flags(problems, tmp / "ranks", 2), "--no-memory-check"],
+        env=dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", **CPU_ONLY),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {name: tmp / name for name in ("whole", "resumed", "ranks")}
+
+
+def rows(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "reward_mean" in r]
+
+
+SAMPLED = ("reward_mean", "tool_calls_mean", "tool_error_frac", "response_len_mean", "seqs")
+
+
+@pytest.mark.slow
+def test_a_run_with_tool_calls_resumes_to_the_uninterrupted_runs_weights(tool_runs):
+    whole, resumed = rows(tool_runs["whole"]), rows(tool_runs["resumed"])
+    assert sum(r["tool_calls_mean"] for r in whole) > 0  # the run's responses called the tool
+    assert [[r[k] for k in SAMPLED] for r in whole] == [[r[k] for k in SAMPLED] for r in resumed]
+    a, b = (load_file(tool_runs[n] / "final" / "model.safetensors") for n in ("whole", "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for r in whole:  # the engine's logprobs of the sampled tokens are the trainer's
+        assert r["token_mult_prob_error"] is None or r["token_mult_prob_error"] < 1.001, r
+
+
+@pytest.mark.slow
+def test_two_ranks_sample_call_and_train_as_one(tool_runs):
+    # each prompt's samples come from streams of its own (continuations: each sample's), so 2
+    # ranks draw and call exactly what 1 rank does; the loss and gradient are the same up to the
+    # order of float32 sums (AdamW then magnifies that noise in weights of near-zero gradient)
+    one, two = rows(tool_runs["whole"]), rows(tool_runs["ranks"])
+    assert [[r[k] for k in SAMPLED] for r in one] == [[r[k] for k in SAMPLED] for r in two]
+    assert any(r["grad_norm"] > 0 for r in one)
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-9)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-9)
