@@ -11,6 +11,7 @@ and skipping see tool tokens as any other; and the reward reads the model's word
 
 import json
 import os
+import re
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from safetensors.torch import load_file
 from test_distributed import TORCHRUN
 
 import batch
+import eval_aime
 import grpo
 import model
 import reward
@@ -360,3 +362,25 @@ def test_two_ranks_sample_call_and_train_as_one(tool_runs):
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-9)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_eval_aime_with_tools_reports_calls_and_scores_the_models_words(tmp_path, engine, path):
+    problems = tmp_path / "p.jsonl"
+    problems.write_text(
+        "".join(json.dumps({"problem": p, "answer": "27"}) + "\n" for p in PROBLEMS[:2])
+    )
+    engine.load_weights(list(model.hf_weights(model.load_model(path), torch.float32)))
+    cfg = runtime.config(
+        eval_aime.EvalConfig, model=path, data=str(problems), out=str(tmp_path / "s.jsonl"),
+        prompt_template=str(ROOT / "demo" / "smollm2-tools-prompt.txt"), answer="last-number",
+        tool=["calculator"], k=8, max_tokens=48, temperature=1.0,
+    )  # fmt: skip
+    summary = eval_aime.main(cfg, engine)
+    rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    calls = [r["tool_calls"] for r in rows]
+    assert any(calls) and summary["tool_calls_mean"] == sum(calls) / len(rows)
+    assert summary["tool_error_frac"] == sum(r["tool_errors"] for r in rows) / sum(calls)
+    for r in rows:  # the reward read the response less its calls and their outputs
+        own = re.sub(r"<calc>.*?</calc>|<result>.*?</result>", "", r["response"], flags=re.S)
+        assert r["reward"] == reward.math_reward(own, "27", answer="last-number"), r
