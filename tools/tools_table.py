@@ -61,7 +61,7 @@ def per_problem(path: Path, n: int) -> tuple[list[float], list[float], list[floa
         right[i] += r["reward"] == 1.0
         calling[i] += r.get("tool_calls", 0) > 0
         calls[i] += r.get("tool_calls", 0)
-    return ([x / max(c, 1) for x, c in zip(xs, k)] for xs in (right, calling, calls))
+    return tuple([x / max(c, 1) for x, c in zip(xs, k)] for xs in (right, calling, calls))
 
 
 def report(folder: Path) -> str:
