@@ -159,7 +159,10 @@ smollm2-recipe: $(STAMP)
 # 64 new tokens, lr 3e-5, TSTEPS steps, held-out pass@1 and tool calls every 2 steps (the figure's curves). eval_aime.py
 # scores the base and each run's end on the 100 held-out problems (TK samples each) for the paired table:
 # `python tools/tools_table.py TR` after SEED=0, 1 and 2. The choices that did not work: docs/log.md.
+# The python tool instead: TOOLNAME=python TPROMPT=demo/smollm2-python-prompt.txt TR=runs/smollm2-python.
 TR ?= runs/smollm2-tools
+TOOLNAME ?= calculator
+TPROMPT ?= demo/smollm2-tools-prompt.txt
 TSTEPS ?= 8
 TK ?= 4
 TD = $(TR)/seed$(SEED)
@@ -168,7 +171,7 @@ TSCALE = --model smollm2 --task math --answer last-number --prompts-per-step 8 -
          --micro-batch-tokens 1024 --checkpoint-every 0 --threads $(THREADS) --seed $(SEED) \
          --data $(TR)/data/train.jsonl --val-data $(TR)/data/heldout.jsonl
 TEVAL = --data $(TR)/data/heldout.jsonl --answer last-number --k $(TK) --max-tokens 64 --seed $(SEED)
-TOOL = --tool calculator --prompt-template demo/smollm2-tools-prompt.txt
+TOOL = --tool $(TOOLNAME) --prompt-template $(TPROMPT)
 NOTOOL = --prompt-template demo/smollm2-recipe-prompt.txt
 
 smollm2-tools: $(STAMP)

@@ -142,6 +142,7 @@ def pytest_configure(config):
 LONGEST_FIRST = [  # by their measured totals (pytest --durations=0)
     "test_distributed_runs",
     "test_distributed",
+    "test_tool_calls",
     "test_real_model",
     "test_faults",
     "test_checkpoint",
@@ -154,6 +155,7 @@ LONGEST_FIRST = [  # by their measured totals (pytest --durations=0)
     "test_recipe",
     "test_bench",
     "test_user_reward",
+    "test_toolbox",
 ]
 
 

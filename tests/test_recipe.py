@@ -224,3 +224,40 @@ def test_report_over_seeds_pairs_the_stages_by_problem(tmp_path):
         assert line.endswith("| 0.50, 9.0 |")  # the last step's truncation and length
         assert f"{mean[row].mean():.3f} (" in line
     assert (tmp_path / "recipe.png").stat().st_size > 0
+
+
+def test_smollm2_tools_compares_one_training_with_and_without_the_tool(tmp_path):
+    """`make smollm2-tools`: the run with the calculator and the control differ only by the tool
+    and its prompt; every evaluation reads the same held-out problems, of 4 and 5 digits only, the
+    recipe task's, at one cap; the trained models are the two runs' final weights."""
+    cmds = make_commands("smollm2-tools", f"TR={tmp_path}", "SEED=2")
+    assert cmds[:2] == [
+        ["demo/bases.py", "smollm2"],
+        ["demo/tasks.py", "long-digits", str(tmp_path / "data")],
+    ]
+    tool, control = (train.parse_args(c[1:]) for c in cmds if c[0] == "train.py")
+    assert tool.tool == ["calculator"] and control.tool == []
+    assert tool.prompt_template.endswith("smollm2-tools-prompt.txt")
+    assert control.prompt_template.endswith("smollm2-recipe-prompt.txt")
+    same = lambda c: dataclasses.replace(  # noqa: E731
+        c, tool=[], prompt_template="", run=dataclasses.replace(c.run, out_dir="")
+    )
+    assert same(tool) == same(control) and tool.run.seed == 2
+    evals = [tyro.cli(eval_aime.EvalConfig, args=c[1:]) for c in cmds if c[0] == "eval_aime.py"]
+    assert {e.data for e in evals} == {str(tmp_path / "data" / "heldout.jsonl")}
+    assert {e.max_tokens for e in evals} == {tool.max_new_tokens}
+    assert [(e.model, e.tool) for e in evals] == [
+        ("smollm2", ["calculator"]),
+        ("smollm2", []),
+        (str(tmp_path / "seed2" / "tool" / "final"), ["calculator"]),
+        (str(tmp_path / "seed2" / "notool" / "final"), []),
+    ]
+    train_, held = tasks.long_digits_split()
+    assert (
+        {p.prompt.count("+") + 1 for p in held}
+        == {4, 5}
+        == {p.prompt.count("+") + 1 for p in train_}
+    )
+    assert [p.prompt for p in held] == [
+        p.prompt for p in tasks.digits_split()[1] if p.prompt.count("+") >= 3
+    ]

@@ -89,6 +89,7 @@ def test_each_demo_target_builds_its_base_and_problems_before_its_entry_point():
         "recipe": [["demo/bases.py", "tiny-math"], ["demo/tasks.py", "sums"]],
         "smollm2": [["demo/bases.py", "smollm2"], ["demo/tasks.py", "add"]],
         "smollm2-recipe": [["demo/bases.py", "smollm2"], ["demo/tasks.py", "digits"]],
+        "smollm2-tools": [["demo/bases.py", "smollm2"], ["demo/tasks.py", "long-digits"]],
     }
     for target, first in want.items():
         lines = [x.split()[1:] for x in make_dry_run(target, "R=r", "S=s", "SR=sr").splitlines()]
