@@ -5,6 +5,7 @@ folder.
 One GRPO step, as train() runs it (each a line of its loop, in this order):
     1. take the step's P prompts; each engine its share      collect_groups -> data.PromptStream
     2. generate G responses per prompt, with their logprobs  collect_groups -> rollout.py
+       (with --tool, calling tools inside them: tool_calls.py)
     3. score each response: 1 or 0                           collect_groups -> score -> reward.py
        (1-3 once, or more rounds with --dynamic-sampling)
     4. advantages from each group's rewards, the batch       grpo.group_advantages, batch.make_batch

@@ -377,3 +377,22 @@ def test_eval_aime_with_tools_reports_calls_and_scores_the_models_words(tmp_path
     for r in rows:  # the reward read the response less its calls and their outputs
         own = re.sub(r"<calc>.*?</calc>|<result>.*?</result>", "", r["response"], flags=re.S)
         assert r["reward"] == reward.math_reward(own, "27", answer="last-number"), r
+
+
+def test_the_overlong_punishment_counts_the_models_tokens_against_what_the_tools_left(tok):
+    # --max-seq-len 40, --max-new-tokens 24, buffer 8: a response of 24 tokens, 9 of them a tool's,
+    # is cut off at its limit and loses the whole penalty, as one of 24 sampled tokens does; one of
+    # 20 tokens (11 sampled of the 15 the tool left) is 4 into the buffer of 8: -0.5
+    cfg = runtime.config(train.Config, max_seq_len=40, max_new_tokens=24, overlong_buffer_length=8)
+    prompt = tok("3+9+4=")["input_ids"]
+    # (the tiny model's tokenizer: a token a character)
+    cut = sample_of(tok, [("<calc>3+9+4</", 0), ("<result>1", 1), ("ab", 0)])
+    half = sample_of(tok, [("<calc>3+9+4", 0), ("<result>1", 1)])
+    # a tool that leaves 4 tokens of the 24, less than the buffer: all of them are buffer, and 2
+    # sampled tokens are half of it (counting the tool's 20 would give -0.75)
+    short = sample_of(tok, [("a", 0), ("<result>123456789012", 1), ("b", 0)])
+    plain = rollout.Sample(0, list(range(24)), [0.0] * 24, True)
+    assert [len(s.token_ids) for s in (cut, half, short)] == [24, 20, 22]
+    assert [sum(s.tool_mask) for s in (cut, half, short)] == [9, 9, 20]
+    got = train.overlong_shaping(cfg, [prompt], [cut, half, short, plain])
+    assert got.tolist() == [-1.0, -0.5, -0.5, -1.0]
