@@ -145,20 +145,23 @@ def test_the_trainers_row_is_what_the_engine_was_given_and_sampled_over_several_
         assert b.attention_mask[k, : b.lengths[k]].all()
         assert (b.gen_logp[k, :T][tool.bool()] == 0).all()
         assert s.tool_calls == sum(1 for a, c in zip([0] + s.tool_mask, s.tool_mask) if c > a)
-    # the trainer's logprobs of the sampled tokens are the engine's: the same sequences
-    lp = trainer_logprobs(model.load_model(path), b)
-    mpe = float((torch.exp((lp - b.gen_logp).abs()) * b.resp_mask).sum() / b.resp_mask.sum())
+    # the trainer's logprobs of the sampled tokens are the engine's: the same sequences (the rows
+    # that called a tool, after their calls too)
+    called = b.select([k for k, s in enumerate(out) if s.tool_calls])
+    lp = trainer_logprobs(model.load_model(path), called)
+    mask = called.resp_mask
+    mpe = float((torch.exp((lp - called.gen_logp).abs()) * mask).sum() / mask.sum())
     assert 1.0 <= mpe < 1.001, mpe
 
 
 def trainer_logprobs(lm, b: batch.Batch) -> torch.Tensor:
     """log pi of each response token [N, T] under the HF model, at temperature 1 (float64 sums)."""
     with torch.no_grad():
-        logits = lm(input_ids=b.input_ids, attention_mask=b.attention_mask).logits.double()
+        logits = lm(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
     out = torch.zeros(b.resp_mask.shape, dtype=torch.float64)
     for i in range(len(b.lengths)):
         s, n = int(b.resp_start[i]), b.lengths[i] - int(b.resp_start[i])
-        lp = torch.log_softmax(logits[i, s - 1 : s - 1 + n], -1)
+        lp = torch.log_softmax(logits[i, s - 1 : s - 1 + n].double(), -1)
         out[i, :n] = lp.gather(1, b.input_ids[i, s : s + n, None])[:, 0]
     return out.float()
 
