@@ -310,14 +310,11 @@ class Toolbox:
         return self._user_tool(tag, given)
 
     def _user_tool(self, tag: str, given: str) -> Result:
-        worker = self._workers[tag]
-        try:
-            reply = worker.call([given], self.timeout_s)
-        except TimeoutError:
-            worker.stop()
+        reply = self._workers[tag].call([given], self.timeout_s)
+        if "timed out" in reply:
             return Result(f"error: timed out after {self.timeout_s:g} s", True)
-        except (OSError, EOFError, ValueError):  # it died (os._exit, a crash)
-            return Result(f"error: the tool's process died (exit status {worker.stop()})", True)
+        if "lost" in reply:  # it died (os._exit, a crash)
+            return Result(f"error: the tool's process died (exit status {reply['status']})", True)
         if "error" in reply:
             return Result(cut(f"error: {reply['error']}"), True)
         if "text" not in reply:

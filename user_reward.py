@@ -139,8 +139,17 @@ class Worker:
 
     def call(self, args: list, timeout_s: float) -> dict:
         """The reply to fn(*args): {"value"} (a reward), {"text", "chars"} (a tool), {"error"} or
-        {"repr"}. Raises TimeoutError after timeout_s, and OSError / EOFError / ValueError when the
-        worker died or broke the protocol: stop() it then, and the next call starts a new one."""
+        {"repr"}; or, the worker stopped and the next call starting a new one, {"timed out"} after
+        timeout_s, {"lost", "status"} when it died (os._exit, a crash) or broke the protocol."""
+        try:
+            return self._call(args, timeout_s)
+        except TimeoutError:
+            self.stop()
+            return {"timed out": True}
+        except (OSError, EOFError, ValueError) as e:
+            return {"lost": _one_line(e), "status": self.stop()}
+
+    def _call(self, args: list, timeout_s: float) -> dict:
         if self._proc is None or self._proc.poll() is not None:
             self.stop()
             extra = [] if self.text_chars is None else [str(self.text_chars)]
@@ -214,15 +223,12 @@ class Guarded:
         self._worker.spec = spec
 
     def __call__(self, response: str, gold: str) -> float:
-        try:
-            reply = self._worker.call([response, gold], self.timeout_s)
-        except TimeoutError:
-            self._worker.stop()
+        reply = self._worker.call([response, gold], self.timeout_s)
+        if "timed out" in reply:
             return self._fail("timed out", f"ran past --reward-timeout-s {self.timeout_s}")
-        # the worker died (os._exit, a crash) or broke the protocol
-        except (OSError, EOFError, ValueError) as e:
-            code = self._worker.stop()
-            return self._fail("raised", f"lost its process ({_one_line(e)}; exit status {code})")
+        if "lost" in reply:
+            what = f"lost its process ({reply['lost']}; exit status {reply['status']})"
+            return self._fail("raised", what)
         if "error" in reply:
             return self._fail("raised", f"raised {reply['error']}")
         value = reply.get("value")
