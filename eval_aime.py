@@ -99,6 +99,7 @@ def summarize(rows: list[dict], n_problems: int, k: int) -> dict:
     """Figures from the per-sample rows (the JSONL's content): pass@1 with a 95% CI over problems,
     pass@k, ..."""
     correct = [0] * n_problems
+    calls = sum(r.get("tool_calls", 0) for r in rows)  # --tool
     for r in rows:
         correct[r["problem_idx"]] += int(r["reward"] == 1.0)
     per_problem = [c / k for c in correct]
@@ -116,9 +117,8 @@ def summarize(rows: list[dict], n_problems: int, k: int) -> dict:
         "correct": correct,
     } | (
         {  # --tool: calls per response, and of those the failed ones
-            "tool_calls_mean": sum(r["tool_calls"] for r in rows) / len(rows),
-            "tool_error_frac": sum(r["tool_errors"] for r in rows)
-            / max(sum(r["tool_calls"] for r in rows), 1),
+            "tool_calls_mean": calls / len(rows),
+            "tool_error_frac": sum(r["tool_errors"] for r in rows) / max(calls, 1),
         }
         if rows and "tool_calls" in rows[0]
         else {}

@@ -71,7 +71,16 @@ def generate(
     out = engine.generate(
         prompts, n, caps, seed=seed, first_index=first_index, stop=stop, **sampling
     )
-    out = [replace(s, token_ids=list(s.token_ids), tool_mask=[0] * len(s.token_ids)) for s in out]
+    # copies of the engine's lists, which the rounds below extend
+    out = [
+        replace(
+            s,
+            token_ids=list(s.token_ids),
+            logprobs=list(s.logprobs),
+            tool_mask=[0] * len(s.token_ids),
+        )
+        for s in out
+    ]
     segment = [list(s.token_ids) for s in out]  # each response's tokens since its last call
     sampling.pop("min_tokens", None)  # counted from the response's start: round 0 only
     calling, rounds = [k for k, s in enumerate(out) if s.stop], 0
@@ -93,7 +102,7 @@ def generate(
         )
         for k, s in zip(going, more):
             out[k].token_ids += s.token_ids
-            out[k].logprobs = out[k].logprobs + s.logprobs
+            out[k].logprobs += s.logprobs
             out[k].tool_mask += [0] * len(s.token_ids)
             out[k].truncated, out[k].stop, segment[k] = s.truncated, s.stop, list(s.token_ids)
         calling = [k for k in going if out[k].stop]
@@ -107,7 +116,7 @@ def append_output(s, segment: list[int], tools: Tools, cap: int) -> None:
     text = f"<result>{result.text}</result>"
     ids = tools.tok(text, add_special_tokens=False)["input_ids"][: cap - len(s.token_ids)]
     s.token_ids += ids
-    s.logprobs = s.logprobs + [0.0] * len(ids)
+    s.logprobs += [0.0] * len(ids)
     s.tool_mask += [1] * len(ids)
     s.tool_calls += 1
     s.tool_errors += int(result.error)
