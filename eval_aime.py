@@ -254,12 +254,8 @@ def validate(cfg: EvalConfig, world: int) -> None:
                 f"--answer {cfg.answer}: chooses how --reward math reads an answer (not --reward "
                 f"{cfg.reward})",
             ),
-            *toolbox.checks(cfg.tool, cfg.tool_timeout_s),
-            (
-                not cfg.tool or (cfg.max_tool_calls >= 1 and cfg.tensor_parallel_size == 1),
-                f"--tool: needs --max-tool-calls >= 1 (not {cfg.max_tool_calls}) and "
-                f"--tensor-parallel-size 1 (not {cfg.tensor_parallel_size}): a tool's output "
-                "could differ between the ranks of one engine",
+            *toolbox.checks(
+                cfg.tool, cfg.tool_timeout_s, cfg.max_tool_calls, cfg.tensor_parallel_size
             ),
             (cfg.k >= 1, f"--k {cfg.k}: must be at least 1"),
             (

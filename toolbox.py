@@ -74,10 +74,13 @@ def tag_of(spec: str) -> str:
     return user_reward.parse_spec(spec)[1] if ":" in spec else BUILTIN.get(spec, spec)
 
 
-def checks(specs: list[str], timeout_s: float) -> list[tuple[bool, str]]:
-    """The one-line errors of the --tool values, in user_reward.checks's (ok, message) form, each
-    with ok False; [] when they are usable (or none). Checking imports each FILE.py once in the
-    calling process, as --reward's checks do."""
+def checks(
+    specs: list[str], timeout_s: float, max_calls: int = 1, tensor_parallel_size: int = 1
+) -> list[tuple[bool, str]]:
+    """The one-line errors of the --tool values (and of --max-tool-calls and the
+    --tensor-parallel-size they run with), in user_reward.checks's (ok, message) form, each with ok
+    False; [] when they are usable (or none). Checking imports each FILE.py once in the calling
+    process, as --reward's checks do."""
     errors, broken = [], set()
     for spec in specs:
         if ":" in spec:
@@ -88,6 +91,13 @@ def checks(specs: list[str], timeout_s: float) -> list[tuple[bool, str]]:
             errors += found
     if specs and not timeout_s > 0:
         errors.append((False, f"--tool-timeout-s {timeout_s}: must be positive"))
+    if specs and not (max_calls >= 1 and tensor_parallel_size == 1):
+        errors.append((
+            False,
+            f"--tool: needs --max-tool-calls >= 1 (not {max_calls}) and --tensor-parallel-size 1 "
+            f"(not {tensor_parallel_size}): a tool's output could differ between the ranks of one "
+            "engine",
+        ))  # fmt: skip
     errors += tag_errors([spec for spec in specs if spec not in broken])
     return list(dict.fromkeys(errors))  # user_reward.checks may have said the timeout's too
 

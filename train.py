@@ -284,12 +284,8 @@ def flag_checks(cfg: Config, world: int) -> None:
                 "(--task math, no --reward)",
             ),
             *user_reward.checks(cfg.reward, cfg.reward_timeout_s),
-            *toolbox.checks(cfg.tool, cfg.tool_timeout_s),
-            (
-                not cfg.tool or (cfg.max_tool_calls >= 1 and cfg.tensor_parallel_size == 1),
-                f"--tool: needs --max-tool-calls >= 1 (not {cfg.max_tool_calls}) and "
-                f"--tensor-parallel-size 1 (not {cfg.tensor_parallel_size}): a tool's output "
-                "could differ between the ranks of one engine",
+            *toolbox.checks(
+                cfg.tool, cfg.tool_timeout_s, cfg.max_tool_calls, cfg.tensor_parallel_size
             ),
             *lora.flag_checks(cfg.lora),
             *runtime.run_checks(cfg.run),
