@@ -3,6 +3,7 @@ run, and a dead or hung rank's fallout. (test_distributed_runs.py: whole runs an
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -107,14 +108,15 @@ PLAIN = [c for c in UPDATES if c.startswith("plain-")]
 
 
 @pytest.fixture(scope="module")
-def updates(tmp_path_factory, tiny_path) -> dict:
+def updates(tmp_path_factory, tiny_path):
     """Every case of UPDATES at world sizes 1 and 2: {n: folder of NAME.pt}. One torchrun per world
     size runs them all, each case from the model files with its own seeds."""
     out = tmp_path_factory.mktemp("updates")
     for n in (1, 2):
         r = torchrun(n, "updates", out / f"n{n}", json.dumps(UPDATES), timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
-    return {n: out / f"n{n}" for n in (1, 2)}
+    yield {n: out / f"n{n}" for n in (1, 2)}
+    shutil.rmtree(out)
 
 
 @pytest.mark.parametrize("case", [c for c in UPDATES if UPDATES[c][6:] == ("tiny", "float64")])
@@ -500,13 +502,14 @@ SHARED = {"sgd-token-level": "sgd-token-level-unshared", "lora-shared": "lora-un
 
 
 @pytest.fixture(scope="module")
-def skips(tmp_path_factory, tiny_path) -> dict:
+def skips(tmp_path_factory, tiny_path):
     """Every case of SKIPS at world sizes 1 and 2: {n: folder}."""
     out = tmp_path_factory.mktemp("skips")
     for n in (1, 2):
         r = torchrun(n, "skips", out / f"n{n}", json.dumps(SKIPS), timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
-    return {n: out / f"n{n}" for n in (1, 2)}
+    yield {n: out / f"n{n}" for n in (1, 2)}
+    shutil.rmtree(out)
 
 
 @pytest.mark.parametrize("case", list(SKIPS))

@@ -12,6 +12,7 @@ and skipping see tool tokens as any other; and the reward reads the model's word
 import json
 import os
 import re
+import shutil
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -289,14 +290,14 @@ def test_packing_and_skipping_treat_a_tool_token_as_any_token(tiny64, tok):
 
 
 # train.py with the calculator on SmolLM2, 2 prompts x 4 samples a step, as a user would run it
-def train_flags(problems: Path, out: Path, steps: int) -> list[str]:
+def train_flags(problems: Path, out: Path, steps: int, save: int = 0) -> list[str]:
     return [
         "--model", bases.SMOLLM2, "--task", "math", "--answer", "last-number",
         "--data", str(problems), "--val-data", str(problems),
         "--prompt-template", str(ROOT / "demo" / "smollm2-tools-prompt.txt"),
         "--tool", "calculator", "--prompts-per-step", "2", "--group-size", "4",
         "--max-new-tokens", "48", "--max-seq-len", "192", "--eval-every", "0",
-        "--checkpoint-every", "1", "--steps", str(steps), "--out-dir", str(out), "--quiet",
+        "--checkpoint-every", str(save), "--steps", str(steps), "--out-dir", str(out), "--quiet",
     ]  # fmt: skip
 
 
@@ -316,12 +317,17 @@ def tool_runs(tmp_path_factory, engine, path) -> dict:
     )
     base = list(model.hf_weights(model.load_model(path), torch.float32))
 
-    def run(out: Path, steps: int) -> None:
+    def run(out: Path, steps: int, save: int) -> None:
         engine.load_weights(base)  # a resumed run loads its checkpoint's weights itself
-        train.train(train.parse_args(train_flags(problems, out, steps)), engine)
+        train.train(train.parse_args(train_flags(problems, out, steps, save)), engine)
 
-    run(tmp / "resumed", 1)
-    run(tmp / "resumed", 2)
+    def drop_weights(out: Path) -> None:  # the tests read the logs, not the weights (1.6 GB each)
+        for folder in ("checkpoints", "final"):
+            shutil.rmtree(out / folder, ignore_errors=True)
+
+    run(tmp / "resumed", 1, save=1)
+    run(tmp / "resumed", 2, save=0)
+    drop_weights(tmp / "resumed")
     r = subprocess.run(
         [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29400 + os.getpid() % 100),
          str(ROOT / "train.py"), *train_flags(problems, tmp / "ranks", 2), "--no-memory-check"],
@@ -329,6 +335,7 @@ def tool_runs(tmp_path_factory, engine, path) -> dict:
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
+    drop_weights(tmp / "ranks")
     return {name: tmp / name for name in ("resumed", "ranks")}
 
 
