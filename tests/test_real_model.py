@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from demo import bases
+import checkpoint
 import data
 import distributed
 import grpo
@@ -146,7 +147,9 @@ def runs(tmp_path_factory, path):
     # the weights after step 1 (step 2 starts from them)
     first = load_file(out / "final" / "model.safetensors")
     resumed = python("train.py", *FLAGS, "--steps", "2", *reward)
-    python("train.py", "export", out / "checkpoints" / "step_000002", export)
+    checkpoint.export_hf(
+        ["export", str(out / "checkpoints" / "step_000002"), str(export)], "train.py"
+    )
     shutil.rmtree(out / "checkpoints")  # 1.6 GB, read by nothing after the export
     script = LOAD_IN_VLLM.format(
         root=str(ROOT),
