@@ -155,21 +155,35 @@ def save_png(fig: Figure, out: Path) -> Path:
 
 def heldout_table(rows: list[dict]) -> str:
     """The run's held-out evaluations as a table: step, pass@1 with its 95% CI (when logged),
-    greedy, minutes in."""
-    lines = ["| step | held-out pass@1 (95% CI) | held-out greedy | minutes |", "|---|---|---|---|"]
-    for r in rows:
-        if "heldout_pass1" in r:
-            ci = (
-                f" ({r['heldout_pass1_ci95_low']:.3f} to {r['heldout_pass1_ci95_high']:.3f})"
-                if "heldout_pass1_ci95_low" in r
-                else ""
-            )
-            lines.append(
-                f"| {r['step']} | {r['heldout_pass1']:.3f}{ci} | "
-                f"{r.get('heldout_greedy', float('nan')):.3f} "
-                f"| {r.get('elapsed', 0.0) / 60:.1f} |"
-            )
-    return "\n".join(lines) if len(lines) > 2 else "no held-out evaluations in this run"
+    greedy, mean response length and the share cut at the limit (how much of the budget held-out
+    answers use), tool calls per response (runs with --tool), minutes in. "-": not logged (a log
+    written before the figure existed)."""
+    evals = [r for r in rows if "heldout_pass1" in r]
+    if not evals:
+        return "no held-out evaluations in this run"
+    tools = any("heldout_tool_calls_mean" in r for r in evals)
+    head = ["step", "held-out pass@1 (95% CI)", "held-out greedy", "mean length", "truncated"]
+    head += ["tool calls"] * tools + ["minutes"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def cell(r: dict, key: str, fmt: str) -> str:
+        return format(r[key], fmt) if r.get(key) is not None else "-"
+
+    for r in evals:
+        ci = (
+            f" ({r['heldout_pass1_ci95_low']:.3f} to {r['heldout_pass1_ci95_high']:.3f})"
+            if "heldout_pass1_ci95_low" in r
+            else ""
+        )
+        cells = [str(r["step"]), f"{r['heldout_pass1']:.3f}{ci}", cell(r, "heldout_greedy", ".3f")]
+        cells += [
+            cell(r, "heldout_response_len_mean", ".1f"),
+            cell(r, "heldout_truncated_frac", ".3f"),
+        ]
+        cells += [cell(r, "heldout_tool_calls_mean", ".2f")] * tools
+        cells += [f"{r.get('elapsed', 0.0) / 60:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> None:

@@ -188,10 +188,17 @@ def test_logs_draws_a_runs_curves_and_prints_its_heldout_table(tmp_path, capsys)
 
     rows = [dict(step=s, heldout_pass1=0.1 * s, elapsed=60.0 * s) for s in (0, 4, 8)]
     rows[1] |= dict(reward_mean=0.5, response_len_mean=7.0)
+    rows[2] |= dict(heldout_response_len_mean=12.25, heldout_truncated_frac=0.125)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     logs.main([str(tmp_path)])
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| 8 | 0.800 | nan | 8.0 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 4 | 0.400 | - | - | - | 4.0 |" in out  # a figure the log lacks is "-"
+    assert "| 8 | 0.800 | - | 12.2 | 0.125 | 8.0 |" in out
+    assert "tool calls" not in out
+    # a run with tools: calls per held-out response get a column
+    rows[2] |= dict(heldout_tool_calls_mean=1.5, heldout_greedy=0.5)
+    assert "| 8 | 0.800 | 0.500 | 12.2 | 0.125 | 1.50 | 8.0 |" in logs.heldout_table(rows)
 
 
 def test_micro_batches_cover_every_row_once_within_budget():
