@@ -114,7 +114,9 @@ def append_output(s, segment: list[int], tools: Tools, cap: int) -> None:
     s, cut at the response's limit `cap` (a cut output leaves s truncated)."""
     result = tools.box.call(tools.tok.decode(segment, skip_special_tokens=True))
     text = f"<result>{result.text}</result>"
-    ids = tools.tok(text, add_special_tokens=False)["input_ids"][: cap - len(s.token_ids)]
+    # plain text: a tool that prints "<|im_end|>" must not end the model's turn
+    ids = tools.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    ids = ids[: cap - len(s.token_ids)]
     s.token_ids += ids
     s.logprobs += [0.0] * len(ids)
     s.tool_mask += [1] * len(ids)
@@ -137,8 +139,9 @@ def model_text(tok, s, tags: list[str] = ()) -> str:
     Example: '<calc>2+3</calc>' '<result>5</result>' ' So 5.' -> ' So 5.'; a response that ends
     right after a result, '<calc>2+3</calc>' '<result>5</result>', -> '' (no answer of its own)."""
     text = tok.decode(sampled_ids(s), skip_special_tokens=True)
-    for tag in tags:
-        text = re.sub(rf"<{re.escape(tag)}>.*?</{re.escape(tag)}>", "", text, flags=re.S)
+    for tag in tags:  # from the last <TAG> before each </TAG>, as toolbox reads a call
+        t = re.escape(tag)
+        text = re.sub(rf"<{t}>(?:(?!<{t}>).)*?</{t}>", "", text, flags=re.S)
     return text
 
 

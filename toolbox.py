@@ -89,8 +89,10 @@ def checks(
             ]
             broken |= {spec} if found else set()
             errors += found
-    if specs and not timeout_s > 0:
-        errors.append((False, f"--tool-timeout-s {timeout_s}: must be positive"))
+    if specs and not (timeout_s > 0 and math.isfinite(timeout_s)):
+        errors.append(
+            (False, f"--tool-timeout-s {timeout_s}: must be a positive number of seconds")
+        )
     if specs and not (max_calls >= 1 and tensor_parallel_size == 1):
         errors.append((
             False,
@@ -114,6 +116,10 @@ def tag_errors(specs: list[str]) -> list[tuple[bool, str]]:
             )
         elif not PLAIN_TAG.fullmatch(tag):
             errors.append((False, f"--tool {spec}: its tag <{tag}> is not a plain ASCII name"))
+        elif tag == "result":  # </result> ends every output: a call would look like one
+            errors.append(
+                (False, f"--tool {spec}: <result> is the outputs' tag; rename the function")
+            )
         elif tag in seen:
             errors.append((False, f"--tool {spec}: its tag <{tag}> is --tool {seen[tag]}'s too"))
         seen.setdefault(tag, spec)
@@ -169,7 +175,7 @@ def calculate(text: str) -> Result:
         if value.is_integer() and abs(value) < 1e16:
             return Result(str(int(value)), False)
         return Result(repr(value), False)
-    return Result(str(value), False)
+    return Result(cut(str(value)), False)
 
 
 def _value(node: ast.AST) -> int | float:
@@ -226,39 +232,39 @@ def run_python(code: str, timeout_s: float) -> Result:
         (root / "work").mkdir()
         program = root / "program.py"
         program.write_text(code)
-        out, err = root / "stdout", root / "stderr"
-        with open(out, "wb") as o, open(err, "wb") as e:
+        # read back through these very files: the program may replace the paths (with a FIFO)
+        with open(root / "stdout", "w+b") as out, open(root / "stderr", "w+b") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-u", "-c", boot, str(program)],
                 cwd=root / "work",
                 stdin=subprocess.DEVNULL,
-                stdout=o,
-                stderr=e,
+                stdout=out,
+                stderr=err,
                 env={"PATH": "/usr/bin:/bin"},
                 start_new_session=True,  # its own process group: killed whole
             )
-        try:
-            status = proc.wait(timeout=timeout_s)
-            failure = None
-        except subprocess.TimeoutExpired:
-            failure, status = f"timed out after {timeout_s:g} s", None
-        try:  # whatever it started in the background goes too
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-        printed, errors = _head(out), _head(err)
+            try:
+                status = proc.wait(timeout=timeout_s)
+                failure = None
+            except subprocess.TimeoutExpired:
+                failure, status = f"timed out after {timeout_s:g} s", None
+            try:  # what it started in its process group goes too (a setsid() escapes: see the docs)
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+            printed, errors = _head(out), _head(err)
+            if failure is None and status > 0:
+                # a traceback's last line names the exception (after any length of traceback or
+                # printing); sys.exit(N) prints nothing
+                lines = [line for line in _tail(err).splitlines() if line.strip()]
+                failure, errors = (lines[-1] if lines else f"exit status {status}"), ""
         if failure is None and status < 0:
             name = signal.Signals(-status).name
             failure = {
                 "SIGXCPU": f"killed by {name}: over {cpu_s} s of CPU time",
                 "SIGXFSZ": f"killed by {name}: a file or its output over {FILE_BYTES} bytes",
             }.get(name, f"killed by {name}")
-        elif failure is None and status > 0:
-            lines = [line for line in errors.splitlines() if line.strip()]
-            # a traceback's last line names the exception; sys.exit(N) prints nothing
-            failure = lines[-1] if lines else f"exit status {status}"
-            errors = ""
         if failure is None:
             return Result(cut(printed + errors), False)
         return Result(cut(f"error: {failure}" + (f"\n{printed}" if printed else "")), True)
@@ -266,10 +272,16 @@ def run_python(code: str, timeout_s: float) -> Result:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _head(path: Path) -> str:
-    """The first OUTPUT_CHARS characters (and one more, to tell a cut) of a file, read bounded."""
-    with open(path, "rb") as f:
-        return f.read(4 * OUTPUT_CHARS + 4).decode("utf-8", "replace")[: OUTPUT_CHARS + 1]
+def _head(f) -> str:
+    """The first OUTPUT_CHARS characters (and one more, to tell a cut) of an open file, bounded."""
+    f.seek(0)
+    return f.read(4 * OUTPUT_CHARS + 4).decode("utf-8", "replace")[: OUTPUT_CHARS + 1]
+
+
+def _tail(f) -> str:
+    """The last few thousand bytes of an open file, decoded."""
+    f.seek(max(0, f.seek(0, os.SEEK_END) - 4 * OUTPUT_CHARS))
+    return f.read().decode("utf-8", "replace")
 
 
 # --- the toolbox
@@ -301,7 +313,8 @@ class Toolbox:
         except Exception as e:  # a bug of this file must not cost the run either
             result = Result(f"error: {type(e).__name__}: {e}", True)
         self.counts["errors"] += result.error
-        return result
+        # a user tool's str may hold lone surrogates, which no tokenizer encodes
+        return Result(result.text.encode("utf-8", "replace").decode("utf-8"), result.error)
 
     def _call(self, text: str) -> Result:
         ends = [(text.rfind(stop), tag) for stop, tag in zip(self.stops, self.tags)]

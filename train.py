@@ -230,6 +230,11 @@ def flag_checks(cfg: Config, world: int) -> None:
                 f"{cfg.max_new_tokens}]",
             ),
             (
+                not (cfg.min_new_tokens and cfg.tool),
+                f"--min-new-tokens {cfg.min_new_tokens} with --tool: vLLM does not stop at a call "
+                "before that many tokens (the model would write the output itself); use 0",
+            ),
+            (
                 0 < cfg.max_new_tokens <= cfg.max_seq_len,
                 f"--max-new-tokens {cfg.max_new_tokens}: must be positive and at most "
                 f"--max-seq-len {cfg.max_seq_len}",

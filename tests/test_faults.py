@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (dict(tool=["calculator", "calculator"]), 1, "--tool calculator"),
         (dict(tool=["demo/my_tool.py:nope"]), 1, "--tool demo/my_tool.py:nope"),
         (dict(tool=["calculator"], max_tool_calls=0), 1, "--max-tool-calls >= 1 (not 0)"),
+        (dict(tool=["calculator"], min_new_tokens=4), 1, "--min-new-tokens 4 with --tool"),
         (dict(tool=["calculator"], tensor_parallel_size=2), 2, "--tensor-parallel-size 1 (not 2)"),
         (dict(dual_clip=0.5), 1, "--dual-clip 0.5"),
         (dict(max_skipped_steps=0), 1, "--max-skipped-steps 0"),

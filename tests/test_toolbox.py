@@ -4,6 +4,7 @@ raises, hangs, dies, prints or returns a non-str gives an error Result and the n
 --tool values get one line each. Real processes, timeouts of 1 s."""
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +42,12 @@ def dies(text):
 
 def two(text, more):
     return text
+
+def surrogate(text):
+    return "value: " + b"\\xff".decode("utf-8", "surrogateescape")
+
+def result(text):
+    return text
 """
 
 
@@ -53,7 +60,7 @@ def tools(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def box(tools):
-    names = ("echo", "raises", "sleeps", "prints", "number", "long", "dies")
+    names = ("echo", "raises", "sleeps", "prints", "number", "long", "dies", "surrogate")
     box = Toolbox(["calculator", "python", *(f"{tools}:{n}" for n in names)], timeout_s=1.0)
     yield box
     box.close()
@@ -72,7 +79,7 @@ def python(box, code: str) -> tuple[Result, float]:
 def test_tags_and_stops(box, tools):
     assert box.tags[:3] == ["calc", "python", "echo"]
     assert box.stops[:3] == ["</calc>", "</python>", "</echo>"]
-    assert len(box.stops) == 9 and Toolbox([]).stops == []
+    assert len(box.stops) == 10 and Toolbox([]).stops == []
 
 
 @pytest.mark.parametrize(
@@ -95,6 +102,7 @@ def test_tags_and_stops(box, tools):
         ("0.1+0.2", "0.30000000000000004"),
         ("2**-2", "0.25"),
         ("10**999-10**999", "0"),
+        ("-(10**999)", ("-1" + "0" * 999)[:OUTPUT_CHARS] + CUT),  # 1,001 characters: cut
     ],
 )
 def test_calculator_values(box, expression, value):
@@ -168,6 +176,11 @@ def test_python_that_hangs_ends_at_its_time_limit(box, code):
 def test_python_that_raises_gives_its_exception_and_what_it_printed(box):
     result, _ = python(box, "print('before')\n1 / 0")
     assert result == Result("error: ZeroDivisionError: division by zero\nbefore\n", True)
+    # the exception's line, however long the traceback or what was written to stderr before it
+    deep = "def f(n):\n    return 1 / 0 if n == 0 else f(n - 1)\nf(50)"
+    assert python(box, deep)[0] == Result("error: ZeroDivisionError: division by zero", True)
+    noisy = "import sys\nsys.stderr.write('warning\\n' * 500)\nraise ValueError('the real one')"
+    assert python(box, noisy)[0] == Result("error: ValueError: the real one", True)
     assert python(box, "import sys; sys.exit(3)")[0] == Result("error: exit status 3", True)
     assert python(box, "def f(:")[0].text.startswith("error: SyntaxError")
 
@@ -179,6 +192,17 @@ def test_python_output_is_cut_and_read_bounded(box):
     result, seconds = python(box, "while True: print('y' * 1000)")
     assert result.error and "File too large" in result.text and seconds < 1.0
     assert len(result.text) <= OUTPUT_CHARS + len(CUT)
+
+
+def test_python_that_replaces_its_output_file_with_a_fifo_does_not_block_the_caller(box):
+    # the caller reads the files it opened, not whatever the paths name afterwards
+    code = "import os\nos.remove('../stdout')\nos.mkfifo('../stdout')\nprint('x')"
+    got = []  # a caller that opened the path again would wait forever for a writer: a thread
+    threading.Thread(target=lambda: got.append(python(box, code)[0]), daemon=True).start()
+    deadline = time.monotonic() + 5.0
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert got == [Result("x\n", False)]
 
 
 def test_python_cannot_allocate_10_gib(box):
@@ -227,6 +251,8 @@ def test_python_leaves_no_process_behind(box):
         ("long", Result("y" * OUTPUT_CHARS + CUT, False)),
         ("dies", Result("error: the tool's process died (exit status 3)", True)),
         ("sleeps", Result("error: timed out after 1 s", True)),
+        # a lone surrogate, which no tokenizer could encode, becomes "?"
+        ("surrogate", Result("value: ?", False)),
     ],
 )
 def test_a_user_tool_that_fails_gives_an_error_and_the_next_call_works(box, name, expected, capfd):
@@ -253,15 +279,17 @@ def test_checks_give_one_line_per_bad_value(tools, tmp_path):
         ([f"{other}:é"], "its tag <é> is not a plain ASCII name"),
         (["calculator"] * 2, "--tool calculator: its tag <calc> is --tool calculator's too"),
         ([f"{tools}:echo", "python", "nope"], "--tool nope: use calculator"),
+        ([f"{tools}:result"], "<result> is the outputs' tag"),
     ]
     for specs, needle in cases:
         errors = toolbox.checks(specs, 1.0)
         assert len(errors) == 1 and not errors[0][0], (specs, errors)
         msg = errors[0][1]
         assert msg.startswith("--tool ") and needle in msg and "\n" not in msg, (specs, msg)
-    assert toolbox.checks(["calculator"], 0.0) == [
-        (False, "--tool-timeout-s 0.0: must be positive")
-    ]
+    for seconds in (0.0, float("inf")):
+        assert toolbox.checks(["calculator"], seconds) == [
+            (False, f"--tool-timeout-s {seconds}: must be a positive number of seconds")
+        ]
     with pytest.raises(UserError, match="--tool nope: use calculator"):
         Toolbox(["nope"])
 
