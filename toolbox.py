@@ -89,10 +89,9 @@ def checks(
             ]
             broken |= {spec} if found else set()
             errors += found
-    if specs and not (timeout_s > 0 and math.isfinite(timeout_s)):
-        errors.append(
-            (False, f"--tool-timeout-s {timeout_s}: must be a positive number of seconds")
-        )
+    timeout = user_reward.timeout_check(timeout_s, "--tool")  # the python tool's limit too
+    if specs and not timeout[0]:
+        errors.append(timeout)
     if specs and not (max_calls >= 1 and tensor_parallel_size == 1):
         errors.append((
             False,

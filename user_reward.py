@@ -78,6 +78,12 @@ def import_function(spec: str):
     return getattr(module, name, None)
 
 
+def timeout_check(timeout_s: float, flag: str = "--reward") -> tuple[bool, str]:
+    """FLAG-timeout-s's check, in checks's form: a finite number of seconds above 0 (the limit
+    of a select(); inf would overflow it mid-run)."""
+    return 0 < timeout_s < math.inf, f"{flag}-timeout-s {timeout_s}: must be positive and finite"
+
+
 def checks(
     spec: str, timeout_s: float, flag: str = "--reward", args: tuple = ("response", "gold")
 ) -> list[tuple[bool, str]]:
@@ -95,7 +101,7 @@ def checks(
         ),
         (path.suffix == ".py", f"{flag} {spec}: {path} is not a .py file"),
         (path.is_file(), f"{flag} {spec}: no such file {path}"),
-        (timeout_s > 0, f"{flag}-timeout-s {timeout_s}: must be positive"),
+        timeout_check(timeout_s, flag),
     ]
     if not all(ok for ok, _ in syntax):
         return syntax

@@ -159,8 +159,9 @@ def test_bad_reward_values_get_one_line(rewards, tmp_path, capsys):
             spec,
             msg,
         )
-    with pytest.raises(UserError, match="--reward-timeout-s 0.0: must be positive"):
-        train.flag_checks(train.Config(reward=f"{rewards}:right", reward_timeout_s=0.0), 1)
+    for seconds in (0.0, float("inf")):  # inf: select()'s limit would overflow mid-run
+        with pytest.raises(UserError, match=f"--reward-timeout-s {seconds}: must be positive"):
+            train.flag_checks(train.Config(reward=f"{rewards}:right", reward_timeout_s=seconds), 1)
     for spec, needle in (
         ("mth", "--reward mth: use math, exact, or your own"),
         (f"{rewards}:one_arg", "one_arg"),
