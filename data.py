@@ -232,8 +232,7 @@ class Task:
     def text(self, sample) -> str:
         """What the reward reads of a sample (rollout.Sample): its decoded text, special tokens
         skipped; with --tool, only what the model wrote (tool_calls.model_text)."""
-        tags = self.tools.box.tags if self.tools else ()
-        return tool_calls.model_text(self.tok, sample, tags)
+        return tool_calls.model_text(self.tok, sample, self.tools)
 
     @property
     def fingerprint(self) -> str:  # what the prompt stream indexes (runtime.Run.resume)

@@ -170,9 +170,8 @@ def heldout_accuracy(
         engine, mine, n=1, max_tokens=caps, tools=tools, temperature=0.0, seed=seed,
         first_index=first,
     )  # fmt: skip
-    tags = tools.box.tags if tools else ()
     s, g = (
-        [reward_fn(tool_calls.model_text(tok, x, tags), gold[x.prompt_idx]) for x in samples]
+        [reward_fn(tool_calls.model_text(tok, x, tools), gold[x.prompt_idx]) for x in samples]
         for samples in (sampled, greedy)
     )
     per_prompt = [0.0] * len(mine)  # each prompt's pass rate over its k samples
@@ -340,10 +339,7 @@ def main(cfg: EvalConfig, engine=None) -> dict:
                 # the whole response, tools' outputs included (special tokens skipped)
                 "response": tok.decode(s.token_ids, skip_special_tokens=True),
                 # the model's own text, which the reward reads (tool_calls.model_text)
-                "reward": score(
-                    tool_calls.model_text(tok, s, tools.box.tags if tools else ()),
-                    problems[i].answer,
-                ),
+                "reward": score(tool_calls.model_text(tok, s, tools), problems[i].answer),
                 "truncated": s.truncated,
                 "tokens": len(s.token_ids) - tool_calls.tool_tokens(s),  # the sampled ones
             }

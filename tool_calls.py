@@ -132,14 +132,14 @@ def sampled_ids(s) -> list[int]:
     return [t for t, tool in zip(s.token_ids, s.tool_mask) if not tool]
 
 
-def model_text(tok, s, tags: list[str] = ()) -> str:
+def model_text(tok, s, tools: Tools | None = None) -> str:
     """The text a reward scores: s's sampled tokens decoded (special tokens skipped), with each
-    call <TAG>...</TAG> of `tags` left out, and with it the tool's output, which is not sampled.
+    call <TAG>...</TAG> of `tools` left out, and with it the tool's output, which is not sampled.
 
     Example: '<calc>2+3</calc>' '<result>5</result>' ' So 5.' -> ' So 5.'; a response that ends
     right after a result, '<calc>2+3</calc>' '<result>5</result>', -> '' (no answer of its own)."""
     text = tok.decode(sampled_ids(s), skip_special_tokens=True)
-    for tag in tags:  # from the last <TAG> before each </TAG>, as toolbox reads a call
+    for tag in tools.box.tags if tools else ():  # from the last <TAG> before </TAG>, as toolbox
         t = re.escape(tag)
         text = re.sub(rf"<{t}>(?:(?!<{t}>).)*?</{t}>", "", text, flags=re.S)
     return text

@@ -204,9 +204,10 @@ def sample_of(tok, pieces: list[tuple[str, int]], prompt_idx: int = 0) -> rollou
     )
 
 
-def test_the_reward_reads_the_models_answer_not_the_tools(stok):
+def test_the_reward_reads_the_models_answer_not_the_tools(stok, calculator):
+    tools = tool_calls.Tools(calculator, stok, max_calls=4)
     score = lambda s: reward.math_reward(  # noqa: E731
-        tool_calls.model_text(stok, s, ["calc"]), "124068", answer="last-number"
+        tool_calls.model_text(stok, s, tools), "124068", answer="last-number"
     )
     stopped = sample_of(stok, [("<calc>31415+92653</calc>", 0), ("<result>124068</result>", 1)])
     # the whole text ends with the right number, written by the tool
@@ -216,9 +217,9 @@ def test_the_reward_reads_the_models_answer_not_the_tools(stok):
         stok, [("<calc>31415+92653</calc>", 0), ("<result>124068</result>", 1), (" So 124068.", 0)]
     )
     assert score(answered) == 1.0
-    assert tool_calls.model_text(stok, answered, ["calc"]) == " So 124068."
+    assert tool_calls.model_text(stok, answered, tools) == " So 124068."
     # a tool's output is left out even where no call of a known tag precedes it
-    assert "124068" not in tool_calls.model_text(stok, stopped, [])
+    assert "124068" not in tool_calls.model_text(stok, stopped, None)
     # a stray <calc> earlier in the text: the call is read from the last one before </calc>, as
     # toolbox reads it, and the model's words between the two stay
     stray = sample_of(
@@ -226,7 +227,7 @@ def test_the_reward_reads_the_models_answer_not_the_tools(stok):
                ("<result>124068</result>", 1), (" Yes.", 0)],
     )  # fmt: skip
     assert (
-        tool_calls.model_text(stok, stray, ["calc"])
+        tool_calls.model_text(stok, stray, tools)
         == "I use <calc> for sums. So 124068, check:  Yes."
     )
 
